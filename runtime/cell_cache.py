@@ -1,0 +1,183 @@
+"""The runtime-owned cell cache of CONTRACT.md section 4.
+
+A cell holds one token's K/V in every layer, its position, and the set of
+sequences that own it, kept as a 64-bit mask (so at most 64 sequences live at
+once). Cell 0 is the scratch cell that padding tokens write; it is never
+owned, so no real token attends it. Cells are placed lowest-free first, which
+keeps every live cell below `read_len` and lets each call see only the first
+`read_len` cells of the pools.
+
+The pools grow on demand (doubling, up to max_cells), so memory follows the
+cells in use; every method always receives views of the same storage.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from kvexport.runtime.errors import CapacityError, RuntimeRefusal
+from kvexport.runtime.manifest import CacheGeometry
+
+MAX_SEQUENCES = 64
+SCRATCH_CELL = 0
+
+Allocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+def zeros_allocator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def sequence_bit(seq: int) -> int:
+    """The int64 value with only bit `seq` set (bit 63 is the sign bit)."""
+    return (1 << seq) if seq < 63 else -(1 << 63)
+
+
+class CellCache:
+    def __init__(
+        self,
+        geometry: CacheGeometry,
+        max_cells: int,
+        dtype: torch.dtype,
+        max_context_len: int,
+        device: torch.device | str = "cpu",
+        allocator: Allocator = zeros_allocator,
+        initial_cells: int = 256,
+    ):
+        self.geometry = geometry
+        self.max_cells = max_cells
+        self.max_context_len = max_context_len
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.allocator = allocator
+        self.owners = torch.zeros(max_cells, dtype=torch.int64)  # bit s set: sequence s owns the cell
+        self.positions = torch.zeros(max_cells, dtype=torch.int64)
+        self.next_pos: dict[int, int] = {}  # live sequence -> its length
+        self.capacity = 0
+        self.pools: list[torch.Tensor] = []  # k0, v0, k1, v1, ... each [capacity, heads, head_dim]
+        self._grow(min(max_cells, initial_cells))
+
+    # ---------------------------------------------------------------- pools
+    def _grow(self, needed: int) -> None:
+        new_capacity = min(self.max_cells, max(needed, 2 * self.capacity))
+        new_pools = []
+        for layer in range(self.geometry.n_layers):
+            shape = (new_capacity, self.geometry.kv_heads[layer], self.geometry.head_dims[layer])
+            for kind in (0, 1):
+                pool = self.allocator(shape, self.dtype, self.device)
+                if self.pools:
+                    pool[: self.capacity].copy_(self.pools[2 * layer + kind])
+                new_pools.append(pool)
+        self.pools, self.capacity = new_pools, new_capacity
+
+    def views(self, n_cells: int) -> list[torch.Tensor]:
+        """Views of the first n_cells cells of every pool, in input order."""
+        if n_cells > self.capacity:
+            self._grow(n_cells)
+        return [pool[:n_cells] for pool in self.pools]
+
+    # ------------------------------------------------------------ sequences
+    def _check_live(self, seq: int) -> None:
+        if seq not in self.next_pos:
+            raise RuntimeRefusal(f"sequence {seq} is not live (released, or never created)")
+
+    def new_sequence(self) -> int:
+        for seq in range(MAX_SEQUENCES):
+            if seq not in self.next_pos:
+                self.next_pos[seq] = 0
+                return seq
+        raise CapacityError(f"all {MAX_SEQUENCES} sequences are live; release one first")
+
+    def clone(self, src: int, upto: int | None = None) -> int:
+        """A new sequence owning src's cells below position `upto` (default:
+        all of them); no K/V is copied."""
+        self._check_live(src)
+        upto = self.next_pos[src] if upto is None else upto
+        if not 0 <= upto <= self.next_pos[src]:
+            raise RuntimeRefusal(f"clone upto={upto} is outside sequence {src}'s 0..{self.next_pos[src]}")
+        seq = self.new_sequence()
+        shared = ((self.owners & sequence_bit(src)) != 0) & (self.positions < upto)
+        self.owners[shared] |= sequence_bit(seq)
+        self.next_pos[seq] = upto
+        return seq
+
+    def release(self, seq: int) -> None:
+        """Frees the cells whose last owner seq was."""
+        self._check_live(seq)
+        self.owners &= ~sequence_bit(seq)
+        del self.next_pos[seq]
+
+    def rewind(self, seq: int, pos: int) -> None:
+        """Keeps only positions below pos."""
+        self._check_live(seq)
+        if not 0 <= pos <= self.next_pos[seq]:
+            raise RuntimeRefusal(f"rewind to {pos} is outside sequence {seq}'s 0..{self.next_pos[seq]}")
+        dropped = ((self.owners & sequence_bit(seq)) != 0) & (self.positions >= pos)
+        self.owners[dropped] &= ~sequence_bit(seq)
+        self.next_pos[seq] = pos
+
+    # ---------------------------------------------------------------- steps
+    @property
+    def free_cells(self) -> int:
+        return self.max_cells - 1 - int((self.owners != 0).sum())
+
+    def check_step(self, counts: dict[int, int]) -> None:
+        """Refuses, changing nothing, a step that adds counts[seq] tokens to
+        each seq."""
+        for seq, n in counts.items():
+            self._check_live(seq)
+            if self.next_pos[seq] + n > self.max_context_len:
+                raise CapacityError(
+                    f"sequence {seq} would reach {self.next_pos[seq] + n} tokens, past the context of "
+                    f"{self.max_context_len}"
+                )
+        total = sum(counts.values())
+        if total > self.free_cells:
+            raise CapacityError(
+                f"the step needs {total} cells but {self.free_cells} of {self.max_cells} are free "
+                f"(one is the scratch cell); release sessions or export with a larger --max-cells"
+            )
+
+    def place(self, seqs: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Declares a step (one sequence id per token, in order): gives each
+        token the lowest free cell and the next position of its sequence.
+        Returns (cells, positions), int64 [T]. Call check_step first."""
+        free = self.owners == 0
+        free[SCRATCH_CELL] = False
+        cells = torch.nonzero(free).squeeze(1)[: len(seqs)]
+        if len(cells) < len(seqs):
+            raise AssertionError("place() without check_step()")
+        positions = []
+        for seq in seqs:
+            positions.append(self.next_pos[seq])
+            self.next_pos[seq] += 1
+        pos = torch.tensor(positions, dtype=torch.int64)
+        self.owners[cells] = torch.tensor([sequence_bit(s) for s in seqs], dtype=torch.int64)
+        self.positions[cells] = pos
+        return cells, pos
+
+    def read_len(self) -> int:
+        """One past the highest occupied cell; the scratch cell counts."""
+        occupied = torch.nonzero(self.owners).squeeze(1)
+        return int(occupied[-1]) + 1 if len(occupied) else SCRATCH_CELL + 1
+
+    def masks(self, seq_bits: torch.Tensor, positions: torch.Tensor, n_cells: int) -> list[torch.Tensor]:
+        """One bool [T, n_cells] mask per distinct window: token i sees cell j
+        iff j shares a sequence with i, and j's position is <= i's (and >
+        i's - w on a window w). Padding rows (seq_bits 0) see only the scratch
+        cell, so no row is fully masked."""
+        owners = self.owners[:n_cells].unsqueeze(0)  # [1, C]
+        cell_pos = self.positions[:n_cells].unsqueeze(0)  # [1, C]
+        pos = positions.unsqueeze(1)  # [T, 1]
+        base = ((owners & seq_bits.unsqueeze(1)) != 0) & (cell_pos <= pos)
+        padding = seq_bits == 0
+        masks = []
+        for window in self.geometry.distinct_windows:
+            mask = base if window == 0 else base & (cell_pos > pos - window)
+            if bool(padding.any()):
+                mask = mask.clone()
+                mask[padding, SCRATCH_CELL] = True
+            masks.append(mask)
+        return masks

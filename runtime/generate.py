@@ -1,0 +1,86 @@
+"""A batch executor: many prompts as concurrent sessions, one step per
+generated token for all of them, sampling on the package's sampler."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from kvexport.runtime.cell_cache import MAX_SEQUENCES
+from kvexport.runtime.errors import CapacityError, KvexportError
+from kvexport.runtime.offgraph import OffgraphKVManager, StepEntry
+from kvexport.runtime.sampler import SamplingConfig, params_row
+
+TokenCallback = Callable[[int, int], None]  # (prompt index, token id)
+
+
+def generate(
+    manager: OffgraphKVManager,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    on_token: TokenCallback | None = None,
+    on_device_sampler: bool = True,
+    stop_at_eos: bool = True,
+) -> list[list[int]]:
+    """Generates for every prompt at once; returns the new ids per prompt, in
+    prompt order (an EOS id that ended a sequence is included, as HF does).
+    Prompt i samples with its own generator seeded `seed + i`, so its tokens
+    do not depend on the other prompts."""
+    sampling.validate()
+    if max_new_tokens < 0:
+        raise KvexportError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    _check_admission(manager, prompts, max_new_tokens)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    if max_new_tokens == 0:
+        return outputs
+    sessions = [manager.new_session() for _ in prompts]
+    generators = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
+    pending = [list(p) for p in prompts]
+    active = list(range(len(prompts)))
+    try:
+        while active:
+            logits = manager.step([StepEntry(sessions[i], pending[i], True) for i in active])
+            params = torch.tensor([params_row(sampling, generators[i]) for i in active], dtype=torch.float32)
+            drawn = manager.sample(torch.stack(logits), params, on_device=on_device_sampler).tolist()
+            still = []
+            for i, token in zip(active, drawn):
+                outputs[i].append(token)
+                if on_token is not None:
+                    on_token(i, token)
+                if (stop_at_eos and token in manager.eos_ids) or len(outputs[i]) >= max_new_tokens:
+                    manager.release(sessions[i])
+                else:
+                    pending[i] = [token]
+                    still.append(i)
+            active = still
+    finally:
+        for i in active:
+            manager.release(sessions[i])
+    return outputs
+
+
+def _check_admission(manager: OffgraphKVManager, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    if not prompts:
+        raise KvexportError("no prompts to generate for")
+    if len(prompts) > MAX_SEQUENCES:
+        raise CapacityError(f"{len(prompts)} prompts, but at most {MAX_SEQUENCES} sessions run at once")
+    context = manager.cache.max_context_len
+    needed = 0
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise KvexportError(f"prompt {i} is empty")
+        length = len(prompt) + max_new_tokens
+        if length > context:
+            raise CapacityError(
+                f"prompt {i} has {len(prompt)} tokens; with --max-new-tokens {max_new_tokens} it would need "
+                f"{length} positions, past the package's context of {context}"
+            )
+        needed += len(prompt) + max(max_new_tokens - 1, 0)
+    if needed > manager.cache.free_cells:
+        raise CapacityError(
+            f"these prompts need up to {needed} cells but {manager.cache.free_cells} are free; run fewer prompts, "
+            f"lower --max-new-tokens, or export with a larger --max-cells"
+        )

@@ -1,0 +1,135 @@
+"""Loading a package: the I/O-manager registry, the shared weights, and the
+programs (rebuilt lazily, on first use, around the one copy of the weights).
+
+Third parties add a contract by registering an IOManager subclass:
+
+    @register_io_manager("my_contract", 1)
+    class MyManager(IOManager):
+        @staticmethod
+        def check_manifest(manifest): ...   # -> list of violations
+        def __init__(self, package, **options): ...
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import load_file
+
+from kvexport.runtime import manifest as mf
+from kvexport.runtime import torch_compat
+from kvexport.runtime.errors import PackageError
+from kvexport.runtime.package import PackageReader
+
+log = logging.getLogger(__name__)
+
+
+class IOManager:
+    """Drives a package's programs according to the contract it declares."""
+
+    contract: tuple[str, int]
+
+    @staticmethod
+    def check_manifest(manifest: dict) -> list[str]:
+        raise NotImplementedError
+
+    def __init__(self, package: "LoadedPackage", **options: Any):
+        self.package = package
+
+
+_REGISTRY: dict[tuple[str, int], type[IOManager]] = {}
+
+
+def register_io_manager(name: str, version: int) -> Callable[[type[IOManager]], type[IOManager]]:
+    def decorate(cls: type[IOManager]) -> type[IOManager]:
+        key = (name, version)
+        if key in _REGISTRY and _REGISTRY[key] is not cls:
+            raise ValueError(f"an I/O manager for {name} v{version} is already registered: {_REGISTRY[key].__name__}")
+        cls.contract = key
+        _REGISTRY[key] = cls
+        return cls
+
+    return decorate
+
+
+def registered_contracts() -> list[tuple[str, int]]:
+    return sorted(_REGISTRY)
+
+
+def select_io_manager(manifest: dict) -> type[IOManager]:
+    mf.require(mf.check_envelope(manifest), "not a valid kvexport package")
+    name, version = manifest["contract"]["name"], manifest["contract"]["version"]
+    known_names = sorted({n for n, _ in _REGISTRY})
+    if name not in known_names:
+        raise PackageError(f"contract.name: unknown contract {name!r}; this runtime knows {', '.join(known_names)}")
+    if (name, version) not in _REGISTRY:
+        versions = sorted(v for n, v in _REGISTRY if n == name)
+        raise PackageError(f"contract.version: {name} version {version} is not supported (supported: {versions})")
+    return _REGISTRY[(name, version)]
+
+
+class LoadedPackage:
+    """A package's manifest, its one copy of the weights, and its methods."""
+
+    def __init__(self, reader: PackageReader, verify: bool = True):
+        self.reader = reader
+        self.manifest = reader.manifest
+        if verify:
+            mf.require(reader.verify_checksums(), f"{reader.path}: the package is damaged")
+        start = time.perf_counter()
+        # safetensors: no pickle; these tensors are the only copy every method binds.
+        self.tensors: dict[str, torch.Tensor] = load_file(reader.weights_path)
+        log.info("loaded %d weight tensors in %.2f s", len(self.tensors), time.perf_counter() - start)
+        self._parameters: dict[str, torch.nn.Parameter] = {}
+        self._methods: dict[str, Callable] = {}
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self.manifest["metadata"]
+
+    def has_method(self, name: str) -> bool:
+        return name in self.manifest["methods"]
+
+    def method(self, name: str) -> Callable:
+        """The runnable program of a method, rebuilt on first use."""
+        if name not in self._methods:
+            entry = self.manifest["methods"][name]
+            start = time.perf_counter()
+            names = entry["weights"]
+            state = {k: self._parameter(name, k) for k in names["parameters"]}
+            state.update({k: self._tensor(name, k) for k in names["buffers"]})
+            constants = {k: self._tensor(name, k) for k in names["constants"]}
+            program = torch_compat.graph_from_json(self.reader.program_json(name), state, constants)
+            self._methods[name] = program.module()
+            log.info("rebuilt %s in %.2f s", name, time.perf_counter() - start)
+        return self._methods[name]
+
+    def _parameter(self, method: str, key: str) -> torch.nn.Parameter:
+        """The program checks that parameters are Parameters: wrap (no copy)
+        once, so every method binds the same object."""
+        if key not in self._parameters:
+            self._parameters[key] = torch.nn.Parameter(self._tensor(method, key), requires_grad=False)
+        return self._parameters[key]
+
+    def _tensor(self, method: str, key: str) -> torch.Tensor:
+        if key not in self.tensors:
+            raise PackageError(f"methods.{method}.weights: tensor {key!r} is not in {self.reader.weights_path.name}")
+        return self.tensors[key]
+
+    def tokenizer(self):
+        from kvexport.runtime.text import load_tokenizer
+
+        return load_tokenizer(self.reader.tokenizer_dir)
+
+
+def load(path: str | Path, *, verify: bool = True, **options: Any) -> IOManager:
+    """Opens a package and returns the I/O manager its contract selects.
+    Options go to the manager (for offgraph_kv: max_cells, allocator)."""
+    reader = PackageReader(path)
+    manager_cls = select_io_manager(reader.manifest)
+    mf.require(manager_cls.check_manifest(reader.manifest), f"{reader.path}: the package breaks its contract")
+    return manager_cls(LoadedPackage(reader, verify=verify), **options)

@@ -1,0 +1,300 @@
+"""The package manifest: its schema, the I/O specs the contract fixes, and the
+checks. This is the one home of the schema: the exporter builds specs with the
+functions here, and the runtime and `validate` check packages with them.
+
+A shape is a list whose entries are ints (static) or dicts
+``{"name": str, "min": int, "max": int}`` (a dynamic dim; dims with the same
+name are the same size within one call).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from kvexport.runtime.errors import PackageError
+
+FORMAT = "kvexport.package"
+FORMAT_VERSION = 1
+OFFGRAPH_KV = "offgraph_kv"
+OFFGRAPH_KV_VERSION = 1
+LOGITS_MODE_SELECTED = 2
+PUBLIC_STEP_WIDTH = "1:0"  # input_pos, dim 0
+STATIC_FORWARD = re.compile(r"forward_([1-9][0-9]*)")
+DTYPES = ("fp32", "bf16")
+TORCH_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def dyn(name: str, lo: int, hi: int) -> dict[str, Any]:
+    return {"name": name, "min": lo, "max": hi}
+
+
+def tensor_spec(name: str, dtype: str, shape: list, role: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "dtype": dtype, "shape": shape, "role": role, **extra}
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    kv_heads: tuple[int, ...]
+    head_dims: tuple[int, ...]
+    windows: tuple[int, ...]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.kv_heads)
+
+    @property
+    def distinct_windows(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.windows)))
+
+
+def forward_io(
+    geometry: CacheGeometry,
+    cache_dtype: str,
+    vocab_size: int,
+    max_cells: int,
+    tokens_dim: int | dict,
+    rows_dim: int | dict,
+) -> tuple[list[dict], list[dict]]:
+    """Inputs and outputs of one forward method, in the contract's order."""
+    cells = dyn("C", 1, max_cells)
+    inputs = [
+        tensor_spec("tokens", "int64", [1, tokens_dim], "tokens"),
+        tensor_spec("input_pos", "int64", [tokens_dim], "input_pos"),
+        tensor_spec("logits_to_keep", "int64", [rows_dim], "logits_to_keep"),
+    ]
+    for layer, (heads, dim) in enumerate(zip(geometry.kv_heads, geometry.head_dims)):
+        for kind in ("k", "v"):
+            inputs.append(
+                tensor_spec(f"kv.{layer}.{kind}", cache_dtype, [cells, heads, dim], f"kv_{kind}", layer=layer)
+            )
+    inputs.append(tensor_spec("kv.cells", "int64", [tokens_dim], "kv_cells"))
+    for window in geometry.distinct_windows:
+        inputs.append(tensor_spec(f"kv.mask.w{window}", "bool", [tokens_dim, cells], "kv_mask", window=window))
+    outputs = [tensor_spec("logits", "float32", [rows_dim, vocab_size], "logits")]
+    return inputs, outputs
+
+
+def sampler_io(vocab_size: int, with_params: bool) -> tuple[list[dict], list[dict]]:
+    rows = dyn("R", 1, 1 << 16)
+    inputs = [tensor_spec("logits", "float32", [rows, vocab_size], "logits")]
+    if with_params:
+        inputs.append(tensor_spec("params", "float32", [rows, 4], "sampling_params"))
+    return inputs, [tensor_spec("tokens", "int64", [rows], "tokens")]
+
+
+# --------------------------------------------------------------------------
+# Checks. Each returns a list of violations, every one naming its key or method.
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(v) for v in value)
+
+
+_OFFGRAPH_METADATA_TYPES: dict[str, tuple[str, Any]] = {
+    "get_max_context_len": ("positive int", lambda v: _is_int(v) and v > 0),
+    "get_max_seq_len": ("positive int", lambda v: _is_int(v) and v > 0),
+    "get_vocab_size": ("positive int", lambda v: _is_int(v) and v > 0),
+    "get_logits_to_keep_mode": ("int", _is_int),
+    "get_n_caches": ("positive int", lambda v: _is_int(v) and v > 0),
+    "get_kv_heads": ("list of positive ints", lambda v: _int_list(v) and all(x > 0 for x in v)),
+    "get_head_dims": ("list of positive ints", lambda v: _int_list(v) and all(x > 0 for x in v)),
+    "get_windows": ("list of non-negative ints", lambda v: _int_list(v) and all(x >= 0 for x in v)),
+    "get_offgraph_kv_max_cells": ("positive int", lambda v: _is_int(v) and v > 0),
+    "get_min_prefill_chunk": ("positive int", lambda v: _is_int(v) and v > 0),
+    "bos_id": ("int or null", lambda v: v is None or _is_int(v)),
+    "eos_ids": ("list of ints", _int_list),
+    "dtype": (f"one of {', '.join(DTYPES)}", lambda v: v in DTYPES),
+    "forward_sizes": ("list of positive ints", lambda v: _int_list(v) and bool(v) and all(x > 0 for x in v)),
+}
+
+
+def check_envelope(manifest: Any) -> list[str]:
+    if not isinstance(manifest, dict):
+        return ["manifest: not a JSON object"]
+    problems = []
+    if manifest.get("format") != FORMAT:
+        problems.append(f"format: expected {FORMAT!r}, found {manifest.get('format')!r}")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        problems.append(
+            f"format_version: this kvexport reads version {FORMAT_VERSION}, found {manifest.get('format_version')!r}"
+        )
+    contract = manifest.get("contract")
+    if not (isinstance(contract, dict) and isinstance(contract.get("name"), str) and _is_int(contract.get("version"))):
+        problems.append('contract: expected {"name": str, "version": int}')
+    for key in ("metadata", "methods", "files"):
+        if not isinstance(manifest.get(key), dict):
+            problems.append(f"{key}: missing or not an object")
+    return problems
+
+
+def check_offgraph_metadata(metadata: dict) -> list[str]:
+    problems = []
+    for key, (kind, ok) in _OFFGRAPH_METADATA_TYPES.items():
+        if key not in metadata:
+            problems.append(f"metadata.{key}: missing")
+        elif not ok(metadata[key]):
+            problems.append(f"metadata.{key}: expected {kind}, found {metadata[key]!r}")
+    if problems:
+        return problems
+    n = metadata["get_n_caches"]
+    for key in ("get_kv_heads", "get_head_dims", "get_windows"):
+        if len(metadata[key]) != n:
+            problems.append(f"metadata.{key}: has {len(metadata[key])} entries, get_n_caches is {n}")
+    if metadata["get_logits_to_keep_mode"] != LOGITS_MODE_SELECTED:
+        problems.append(
+            f"metadata.get_logits_to_keep_mode: this contract selects rows (mode {LOGITS_MODE_SELECTED}), "
+            f"found {metadata['get_logits_to_keep_mode']}"
+        )
+    sizes = metadata["forward_sizes"]
+    if len(set(sizes)) != len(sizes):
+        problems.append(f"metadata.forward_sizes: duplicates in {sizes}")
+    max_seq = metadata["get_max_seq_len"]
+    if metadata["get_offgraph_kv_max_cells"] <= max_seq:
+        problems.append(
+            f"metadata.get_offgraph_kv_max_cells: {metadata['get_offgraph_kv_max_cells']} must be above the widest "
+            f"step get_max_seq_len={max_seq}"
+        )
+    if metadata["get_min_prefill_chunk"] > max_seq:
+        problems.append(f"metadata.get_min_prefill_chunk: {metadata['get_min_prefill_chunk']} exceeds get_max_seq_len={max_seq}")
+    return problems
+
+
+def _dim_ok(dim: Any) -> bool:
+    if _is_int(dim):
+        return dim >= 0
+    return (
+        isinstance(dim, dict)
+        and isinstance(dim.get("name"), str)
+        and _is_int(dim.get("min"))
+        and _is_int(dim.get("max"))
+        and 0 <= dim["min"] <= dim["max"]
+    )
+
+
+def _same_spec(found: dict, expected: dict) -> bool:
+    keys = ("name", "dtype", "shape", "role")
+    return all(found.get(k) == expected.get(k) for k in keys)
+
+
+def check_offgraph_methods(manifest: dict) -> list[str]:
+    """Method set and every method's I/O against the contract; assumes the
+    metadata already passed check_offgraph_metadata."""
+    metadata, methods = manifest["metadata"], manifest["methods"]
+    problems: list[str] = []
+    static = {}
+    for name in methods:
+        match = STATIC_FORWARD.fullmatch(name)
+        if match:
+            static[int(match.group(1))] = name
+        elif name.startswith("forward_") and name != "forward_others":
+            problems.append(f"methods.{name}: not a contract method name (forward_<N> with N > 0, or forward_others)")
+        elif name not in ("forward_others", "sample", "sample_argmax"):
+            problems.append(f"methods.{name}: unknown method")
+    if not static:
+        problems.append("methods: the contract needs at least one forward_<N>")
+    if "sample_argmax" in methods and "sample" not in methods:
+        problems.append("methods.sample_argmax: only allowed together with sample")
+    if sorted(static) != sorted(metadata["forward_sizes"]):
+        problems.append(f"metadata.forward_sizes: {metadata['forward_sizes']} does not match the methods {sorted(static)}")
+
+    geometry = CacheGeometry(
+        tuple(metadata["get_kv_heads"]), tuple(metadata["get_head_dims"]), tuple(metadata["get_windows"])
+    )
+    cache_dtype = TORCH_DTYPE_NAMES[metadata["dtype"]]
+    vocab, max_cells = metadata["get_vocab_size"], metadata["get_offgraph_kv_max_cells"]
+    widest = max(static) if static else 0
+    for n, name in static.items():
+        expected = forward_io(geometry, cache_dtype, vocab, max_cells, n, n)
+        problems += _check_method(name, methods[name], "forward", expected)
+    if "forward_others" in methods:
+        entry = methods["forward_others"]
+        try:
+            t_dim = entry["inputs"][0]["shape"][1]
+            k_dim = entry["inputs"][2]["shape"][0]
+        except (KeyError, IndexError, TypeError):
+            problems.append("methods.forward_others: inputs do not follow the contract (tokens, input_pos, logits_to_keep, ...)")
+        else:
+            if not (_dim_ok(t_dim) and isinstance(t_dim, dict)):
+                problems.append("methods.forward_others: the token count T must be a dynamic dim")
+            else:
+                if t_dim["max"] <= widest:
+                    problems.append(f"methods.forward_others: T up to {t_dim['max']} is not wider than forward_{widest}")
+                if t_dim["max"] != metadata["get_max_seq_len"]:
+                    problems.append(
+                        f"metadata.get_max_seq_len: {metadata['get_max_seq_len']} but forward_others takes up to {t_dim['max']}"
+                    )
+                expected_k = dyn("K", metadata["get_min_prefill_chunk"], t_dim["max"])
+                expected = forward_io(geometry, cache_dtype, vocab, max_cells, t_dim, expected_k)
+                problems += _check_method("forward_others", entry, "forward", expected)
+    elif static and metadata["get_max_seq_len"] != widest:
+        problems.append(f"metadata.get_max_seq_len: {metadata['get_max_seq_len']} but the widest method takes {widest}")
+    if "sample" in methods:
+        problems += _check_method("sample", methods["sample"], "sampler", sampler_io(vocab, True))
+    if "sample_argmax" in methods:
+        problems += _check_method("sample_argmax", methods["sample_argmax"], "sampler", sampler_io(vocab, False))
+    return problems
+
+
+def _check_method(name: str, entry: Any, kind: str, expected: tuple[list, list]) -> list[str]:
+    if not isinstance(entry, dict):
+        return [f"methods.{name}: not an object"]
+    problems = []
+    if entry.get("kind") != kind:
+        problems.append(f"methods.{name}.kind: expected {kind!r}, found {entry.get('kind')!r}")
+    if not isinstance(entry.get("program"), str):
+        problems.append(f"methods.{name}.program: missing")
+    if kind == "forward" and not isinstance(entry.get("step_width"), str):
+        problems.append(f"methods.{name}.step_width: missing")
+    for side, want in zip(("inputs", "outputs"), expected):
+        found = entry.get(side)
+        if not isinstance(found, list):
+            problems.append(f"methods.{name}.{side}: missing")
+            continue
+        if len(found) != len(want):
+            problems.append(f"methods.{name}.{side}: {len(found)} entries, the contract needs {len(want)}")
+            continue
+        for i, (f, w) in enumerate(zip(found, want)):
+            if not isinstance(f, dict) or not _same_spec(f, w):
+                label = f.get("name") if isinstance(f, dict) else i
+                problems.append(f"methods.{name}.{side}[{i}] ({label}): expected {_fmt(w)}, found {_fmt(f)}")
+    return problems
+
+
+def _fmt(spec: Any) -> str:
+    if not isinstance(spec, dict):
+        return repr(spec)
+    return f"{spec.get('name')} {spec.get('dtype')} {format_shape(spec.get('shape'))}"
+
+
+def format_shape(shape: Any) -> str:
+    if not isinstance(shape, list):
+        return repr(shape)
+    parts = [str(d) if not isinstance(d, dict) else f"{d.get('name')}[{d.get('min')}..{d.get('max')}]" for d in shape]
+    return "[" + ", ".join(parts) + "]"
+
+
+def check_offgraph_manifest(manifest: Any) -> list[str]:
+    problems = check_envelope(manifest)
+    if problems:
+        return problems
+    contract = manifest["contract"]
+    if contract["name"] != OFFGRAPH_KV:
+        return [f"contract.name: expected {OFFGRAPH_KV!r}, found {contract['name']!r}"]
+    if contract["version"] != OFFGRAPH_KV_VERSION:
+        return [f"contract.version: {OFFGRAPH_KV} version {contract['version']} is not supported (this kvexport reads {OFFGRAPH_KV_VERSION})"]
+    problems = check_offgraph_metadata(manifest["metadata"])
+    if problems:
+        return problems
+    return check_offgraph_methods(manifest)
+
+
+def require(problems: list[str], what: str) -> None:
+    if problems:
+        listing = "\n  ".join(problems)
+        raise PackageError(f"{what}:\n  {listing}")

@@ -1,0 +1,218 @@
+"""The `offgraph_kv` v1 I/O manager (CONTRACT.md sections 4 and 5): sessions
+over a cell cache, and one `step` that packs a batch onto one token axis,
+cuts it into slices, runs each through the narrowest method, and hands back
+each session's selected logits."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from kvexport.runtime import manifest as mf
+from kvexport.runtime.cell_cache import SCRATCH_CELL, Allocator, CellCache, sequence_bit, zeros_allocator
+from kvexport.runtime.errors import RuntimeRefusal
+from kvexport.runtime.loader import IOManager, LoadedPackage, register_io_manager
+from kvexport.runtime.sampler import sample, sample_argmax
+
+PAD_TOKEN = 0
+
+
+class Session:
+    """One sequence in the cell cache. Obtain from new_session / clone."""
+
+    def __init__(self, manager: "OffgraphKVManager", seq: int):
+        self.manager = manager
+        self.seq = seq
+        self.live = True
+
+    @property
+    def length(self) -> int:
+        """Tokens the session holds (its next position)."""
+        return self.manager.cache.next_pos[self.seq]
+
+    def __repr__(self) -> str:
+        return f"Session(seq={self.seq}, length={self.length if self.live else 'released'})"
+
+
+@dataclass
+class StepEntry:
+    session: Session
+    tokens: Sequence[int]
+    wants_logits: bool = True
+
+
+@dataclass(frozen=True)
+class _Slice:
+    method: str
+    start: int
+    end: int
+    width: int  # the method's token count (>= end - start; the rest is padding)
+    rows: int  # the method's selected-row count
+
+
+@register_io_manager(mf.OFFGRAPH_KV, mf.OFFGRAPH_KV_VERSION)
+class OffgraphKVManager(IOManager):
+    check_manifest = staticmethod(mf.check_offgraph_manifest)
+
+    def __init__(
+        self,
+        package: LoadedPackage,
+        max_cells: int | None = None,
+        allocator: Allocator = zeros_allocator,
+        **options: Any,
+    ):
+        super().__init__(package)
+        md = package.metadata
+        self.vocab_size: int = md["get_vocab_size"]
+        self.eos_ids: frozenset[int] = frozenset(md["eos_ids"])
+        self.static_sizes = sorted(md["forward_sizes"])
+        self.widest: int = md["get_max_seq_len"]
+        self.min_rows_others: int = md["get_min_prefill_chunk"]
+        others = package.manifest["methods"].get("forward_others")
+        self.others_min_tokens = others["inputs"][0]["shape"][1]["min"] if others else None
+        package_cells = md["get_offgraph_kv_max_cells"]
+        if max_cells is not None and not self.widest < max_cells <= package_cells:
+            raise RuntimeRefusal(
+                f"max_cells={max_cells}: must be above the widest step ({self.widest}) and at most the "
+                f"package's get_offgraph_kv_max_cells ({package_cells})"
+            )
+        geometry = mf.CacheGeometry(tuple(md["get_kv_heads"]), tuple(md["get_head_dims"]), tuple(md["get_windows"]))
+        dtype = getattr(torch, mf.TORCH_DTYPE_NAMES[md["dtype"]])
+        self.cache = CellCache(
+            geometry, max_cells or package_cells, dtype, md["get_max_context_len"], allocator=allocator
+        )
+
+    # ------------------------------------------------------------ sessions
+    def new_session(self) -> Session:
+        return Session(self, self.cache.new_sequence())
+
+    def clone(self, session: Session, upto: int | None = None) -> Session:
+        self._own(session)
+        return Session(self, self.cache.clone(session.seq, upto))
+
+    def release(self, session: Session) -> None:
+        self._own(session)
+        self.cache.release(session.seq)
+        session.live = False
+
+    def rewind(self, session: Session, pos: int) -> None:
+        self._own(session)
+        self.cache.rewind(session.seq, pos)
+
+    def _own(self, session: Session) -> None:
+        if session.manager is not self or not session.live:
+            raise RuntimeRefusal(f"{session!r} is not a live session of this runtime")
+
+    # ---------------------------------------------------------------- step
+    def plan(self, total: int) -> list[_Slice]:
+        """Cuts a packed axis of `total` tokens into consecutive slices no
+        wider than the widest method, each run by the narrowest that holds it."""
+        slices = []
+        for start in range(0, total, self.widest):
+            end = min(total, start + self.widest)
+            width = end - start
+            i = bisect.bisect_left(self.static_sizes, width)
+            if i < len(self.static_sizes):
+                n = self.static_sizes[i]
+                slices.append(_Slice(f"forward_{n}", start, end, n, n))
+            else:
+                assert self.others_min_tokens is not None and width >= self.others_min_tokens
+                slices.append(_Slice("forward_others", start, end, width, 0))
+        return slices
+
+    def _validate(self, entries: Sequence[StepEntry]) -> dict[int, int]:
+        if not entries:
+            raise RuntimeRefusal("a step needs at least one entry")
+        counts: dict[int, int] = {}
+        for entry in entries:
+            self._own(entry.session)
+            if entry.session.seq in counts:
+                raise RuntimeRefusal(f"{entry.session!r} appears twice in one step")
+            if len(entry.tokens) == 0:
+                raise RuntimeRefusal(f"{entry.session!r}: a step entry needs at least one token")
+            bad = [t for t in entry.tokens if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+            if bad:
+                raise RuntimeRefusal(f"{entry.session!r}: token ids {bad[:5]} are outside the vocabulary 0..{self.vocab_size - 1}")
+            counts[entry.session.seq] = len(entry.tokens)
+        self.cache.check_step(counts)
+        return counts
+
+    @torch.inference_mode()
+    def step(self, entries: Sequence[StepEntry]) -> list[torch.Tensor | None]:
+        """Runs one batch. Returns, per entry, the logits [V] (float32) of its
+        last token if it wants them, else None. A refused batch raises
+        before any state changes."""
+        self._validate(entries)
+        seqs, token_ids, selected = [], [], []
+        for entry in entries:
+            seqs += [entry.session.seq] * len(entry.tokens)
+            token_ids += list(entry.tokens)
+            selected.append(len(token_ids) - 1 if entry.wants_logits else None)
+        saved_next = dict(self.cache.next_pos)
+        cells, positions = self.cache.place(seqs)
+        try:
+            rows = self._run(torch.tensor(token_ids), positions, cells, seqs, [s for s in selected if s is not None])
+        except BaseException:
+            # undo the placement: those cells were free before this step
+            self.cache.owners[cells] = 0
+            self.cache.next_pos.clear()
+            self.cache.next_pos.update(saved_next)
+            raise
+        return [None if s is None else rows[s] for s in selected]
+
+    def _run(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cells: torch.Tensor,
+        seqs: list[int],
+        selected: list[int],
+    ) -> dict[int, torch.Tensor]:
+        bits = torch.tensor([sequence_bit(s) for s in seqs], dtype=torch.int64)
+        n_cells = self.cache.read_len()
+        pools = self.cache.views(n_cells)
+        out: dict[int, torch.Tensor] = {}
+        for piece in self.plan(len(seqs)):
+            real = piece.end - piece.start
+            pad = piece.width - real
+            rows = [s - piece.start for s in selected if piece.start <= s < piece.end]
+            want = max(piece.rows, self.min_rows_others if piece.method == "forward_others" else 0, len(rows))
+            keep = rows + [rows[-1] if rows else 0] * (want - len(rows))
+            sl = slice(piece.start, piece.end)
+            step_tokens = _pad(tokens[sl], pad, PAD_TOKEN)
+            step_pos = _pad(positions[sl], pad, 0)
+            step_cells = _pad(cells[sl], pad, SCRATCH_CELL)
+            step_bits = _pad(bits[sl], pad, 0)
+            masks = self.cache.masks(step_bits, step_pos, n_cells)
+            logits = self.package.method(piece.method)(
+                step_tokens.unsqueeze(0),
+                step_pos,
+                torch.tensor(keep, dtype=torch.int64),
+                *pools,
+                step_cells,
+                *masks,
+            )
+            for i, row in enumerate(rows):
+                out[piece.start + row] = logits[i]
+        return out
+
+    # ------------------------------------------------------------- sampling
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, params: torch.Tensor, on_device: bool = True) -> torch.Tensor:
+        """Draws one token per row with the package's sampler (on_device)
+        or the host's; both give the same tokens for the same params."""
+        greedy = bool((params[:, 0] <= 0).all())
+        if on_device and greedy and self.package.has_method("sample_argmax"):
+            return self.package.method("sample_argmax")(logits)
+        if on_device and self.package.has_method("sample"):
+            return self.package.method("sample")(logits, params)
+        return sample_argmax(logits) if greedy else sample(logits, params)
+
+
+def _pad(values: torch.Tensor, n: int, fill: int) -> torch.Tensor:
+    if n == 0:
+        return values
+    return torch.cat([values, torch.full((n,), fill, dtype=values.dtype)])

@@ -1,0 +1,160 @@
+"""The package's file layout. PackageWriter and PackageReader are the only code
+that knows where things live inside a package directory:
+
+    manifest.json               sorted JSON, readable without torch
+    weights.safetensors         every tensor the programs need, once
+    programs/<method>.json.gz   torch.export graphs without weights
+    tokenizer/                  tokenizer files and chat template, if any
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from kvexport.runtime.errors import ExportError, PackageError
+
+MANIFEST = "manifest.json"
+WEIGHTS = "weights.safetensors"
+PROGRAMS_DIR = "programs"
+TOKENIZER_DIR = "tokenizer"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def program_path(method: str) -> str:
+    return f"{PROGRAMS_DIR}/{method}.json.gz"
+
+
+def dump_manifest(manifest: dict) -> str:
+    return json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+
+
+class PackageWriter:
+    """Builds a package in a hidden sibling directory; `commit` moves it into
+    place with one rename, so PKG never holds half a package. Use as a context
+    manager: leaving the block by an exception (Ctrl-C included) removes the
+    partial directory."""
+
+    def __init__(self, target: Path, overwrite: bool = False):
+        self.target = Path(target).absolute()
+        if self.target.exists() and not overwrite:
+            raise ExportError(f"{self.target} already exists; remove it or pass --overwrite")
+        self.target.parent.mkdir(parents=True, exist_ok=True)
+        self.root = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.partial-", dir=self.target.parent))
+        (self.root / PROGRAMS_DIR).mkdir()
+        self.committed = False
+
+    def __enter__(self) -> "PackageWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self.committed:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    @property
+    def weights_path(self) -> Path:
+        return self.root / WEIGHTS
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.root / TOKENIZER_DIR
+
+    def write_program(self, method: str, graph_json: bytes) -> str:
+        rel = program_path(method)
+        # mtime=0: the same graph gives the same bytes.
+        with open(self.root / rel, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as f:
+            f.write(graph_json)
+        return rel
+
+    def files(self) -> Iterator[Path]:
+        for path in sorted(self.root.rglob("*")):
+            if path.is_file() and path.name != MANIFEST:
+                yield path
+
+    def commit(self, manifest: dict) -> None:
+        manifest = dict(manifest)
+        manifest["files"] = {
+            p.relative_to(self.root).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+            for p in self.files()
+        }
+        (self.root / MANIFEST).write_text(dump_manifest(manifest))
+        backup = None
+        if self.target.exists():
+            backup = self.target.with_name(f".{self.target.name}.old-{os.getpid()}")
+            os.rename(self.target, backup)
+        os.rename(self.root, self.target)
+        self.committed = True
+        if backup is not None:
+            shutil.rmtree(backup, ignore_errors=True)
+
+
+class PackageReader:
+    """Reads a package directory. Never unpickles anything."""
+
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise PackageError(f"{self.path}: no such package directory")
+        manifest_path = self.path / MANIFEST
+        if not manifest_path.is_file():
+            raise PackageError(f"{self.path}: not a kvexport package ({MANIFEST} is missing)")
+        try:
+            self.manifest: dict[str, Any] = json.loads(manifest_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PackageError(f"{manifest_path}: not valid JSON ({e})") from e
+
+    def file(self, rel: str) -> Path:
+        return self.path / rel
+
+    def verify_checksums(self, only: list[str] | None = None) -> list[str]:
+        """Compares files against the manifest; returns the mismatches."""
+        files = self.manifest.get("files")
+        if not isinstance(files, dict):
+            return ["files: missing from the manifest"]
+        problems = []
+        for rel, entry in sorted(files.items()):
+            if only is not None and rel not in only:
+                continue
+            path = self.path / rel
+            if not path.is_file():
+                problems.append(f"files.{rel}: missing from the package")
+            elif not isinstance(entry, dict) or path.stat().st_size != entry.get("bytes"):
+                problems.append(f"files.{rel}: size differs from the manifest")
+            elif sha256_file(path) != entry.get("sha256"):
+                problems.append(f"files.{rel}: checksum differs from the manifest")
+        listed = set(files)
+        for path in self.path.rglob("*"):
+            rel = path.relative_to(self.path).as_posix()
+            if path.is_file() and rel != MANIFEST and rel not in listed:
+                problems.append(f"files.{rel}: in the package but not in the manifest")
+        return problems
+
+    def program_json(self, method: str) -> bytes:
+        rel = self.manifest["methods"][method]["program"]
+        with gzip.open(self.path / rel, "rb") as f:
+            return f.read()
+
+    @property
+    def weights_path(self) -> Path:
+        return self.path / self.manifest.get("weights", {}).get("file", WEIGHTS)
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        tok = self.manifest.get("tokenizer")
+        return self.path / tok["dir"] if tok else None
+
+    def total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())

@@ -1,0 +1,75 @@
+"""The samplers of CONTRACT.md section 3. The exporter traces these same
+functions into the package's `sample` and `sample_argmax` methods, so the
+host sampler and the package's draw the same token for the same coin.
+
+A params row is (temperature, top_p, top_k, coin). Temperature <= 0 is
+argmax. Otherwise top-k (k > 0) takes precedence over top-p (p < 1), else the
+full distribution is used. Probabilities are sorted stably, the kept ones
+renormalised, and the first token whose cumulative probability exceeds the
+coin is drawn. The index is clamped to the last kept token (which is never
+past V - 1), so rounding in the cumulative sum can never pick a token the
+filter removed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvexport.runtime.errors import KvexportError
+
+
+def sample_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[R, V] -> int64 [R]; ties go to the lowest id, as in HF generate."""
+    return torch.argmax(logits, dim=-1)
+
+
+def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] float, params [R, 4] float32 -> int64 [R]."""
+    logits = logits.float()
+    temperature, top_p, top_k, coin = params.unbind(-1)  # each [R]
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [R, V]
+    ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)  # [1, V]
+    use_k = (top_k > 0).unsqueeze(-1)
+    use_p = ((top_k <= 0) & (top_p < 1)).unsqueeze(-1)
+    keep_k = ranks < top_k.unsqueeze(-1)
+    # keep a token while the mass before it is still short of top_p
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    keep_p = mass_before < top_p.unsqueeze(-1)
+    keep = torch.where(use_k, keep_k, torch.where(use_p, keep_p, torch.ones_like(keep_k)))
+    kept = sorted_probs * keep
+    kept = kept / kept.sum(dim=-1, keepdim=True)
+    cumulative = torch.cumsum(kept, dim=-1)
+    index = (cumulative <= coin.unsqueeze(-1)).sum(dim=-1)
+    last_kept = keep.sum(dim=-1) - 1
+    index = torch.minimum(index, last_kept)
+    drawn = torch.gather(order, -1, index.unsqueeze(-1)).squeeze(-1)
+    return torch.where(greedy, torch.argmax(logits, dim=-1), drawn)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def validate(self) -> None:
+        if self.top_k < 0:
+            raise KvexportError(f"--top-k must be >= 0 (0 turns it off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise KvexportError(f"--top-p must be in (0, 1], got {self.top_p}")
+
+
+def params_row(config: SamplingConfig, generator: torch.Generator | None) -> list[float]:
+    """One params row; draws a coin from the session's generator unless the
+    row is greedy (greedy rows draw no coin, so they do not shift the stream)."""
+    coin = 0.0 if config.greedy or generator is None else float(torch.rand((), generator=generator))
+    return [config.temperature, config.top_p, float(config.top_k), coin]

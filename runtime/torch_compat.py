@@ -1,0 +1,54 @@
+"""Version-specific uses of torch internals, in one place, each with the
+version it was written against. Both the exporter and the runtime use these.
+
+torch 2.13: `torch.export.save` stores each program's weights inside its own
+archive (8 programs, 8 copies) and its loader may fall back to a full
+unpickler. A package instead stores every program as the serializer's JSON
+graph alone, and binds the weights from one safetensors file at load. The
+serde module's `serialize(..., serialize_state_dict=False, ...)` and its
+`deserialize` taking dicts of tensors are the seam for that.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._export.serde import serialize as serde
+
+from kvexport.runtime.errors import PackageError
+
+
+def graph_to_json(program: torch.export.ExportedProgram) -> bytes:
+    """The program's graph, signature and shape constraints; no tensors."""
+    artifact = serde.serialize(
+        program,
+        serialize_state_dict=False,
+        serialize_constants=False,
+        serialize_example_inputs=False,
+    )
+    return artifact.exported_program
+
+
+def graph_from_json(
+    graph_json: bytes,
+    state_dict: dict[str, torch.Tensor],
+    constants: dict[str, torch.Tensor],
+) -> torch.export.ExportedProgram:
+    """Rebuilds a program around tensors the caller owns (they are bound, not
+    copied). Passing dicts keeps the serializer from ever calling torch.load."""
+    try:
+        return serde.deserialize(serde.SerializedArtifact(graph_json, state_dict, constants, b""))
+    except Exception as e:  # the serializer raises many types; name the cause
+        raise PackageError(
+            f"cannot rebuild an exported program with torch {torch.__version__} ({type(e).__name__}: {e})"
+        ) from e
+
+
+def placeholder_names(program: torch.export.ExportedProgram) -> dict[str, list[str]]:
+    """The tensor names the program's signature binds, by kind: parameters,
+    buffers (persistent ones, in the state dict) and constants."""
+    sig = program.graph_signature
+    return {
+        "parameters": list(sig.inputs_to_parameters.values()),
+        "buffers": [name for name in sig.inputs_to_buffers.values() if name in program.state_dict],
+        "constants": [name for name, value in program.constants.items() if isinstance(value, torch.Tensor)],
+    }
