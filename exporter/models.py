@@ -182,9 +182,10 @@ def _converted_gguf(gguf: Path, progress: Callable[[str], None]) -> Path:
         loaded = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
         )
-        check_architecture(loaded.config, str(gguf))
-        # save_pretrained refuses a GGUF-quantized model: rebuild it plain.
         config = copy.deepcopy(loaded.config)
+        config.architectures = config.architectures or [type(loaded).__name__]
+        check_architecture(config, str(gguf))
+        # save_pretrained refuses a GGUF-quantized model: rebuild it plain.
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

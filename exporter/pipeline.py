@@ -66,7 +66,7 @@ def export_package(spec: ExportSpec, progress: Progress = log.info) -> ExportRes
     metadata = contract_metadata(spec, loaded, forward)
     plans = plan_methods(spec, forward, metadata)
     programs = trace_methods(plans, progress)
-    tensors, bindings = gather_weights(plans, programs)
+    tensors, aliases, bindings = gather_weights(plans, programs)
     with PackageWriter(Path(spec.output), overwrite=spec.overwrite) as writer:
         progress(f"writing {spec.output}")
         save_file(tensors, str(writer.weights_path), metadata={"format": "pt"})
@@ -92,7 +92,7 @@ def export_package(spec: ExportSpec, progress: Progress = log.info) -> ExportRes
             "contract": {"name": mf.OFFGRAPH_KV, "version": mf.OFFGRAPH_KV_VERSION},
             "metadata": metadata,
             "methods": methods,
-            "weights": {"file": writer.weights_path.name, "tensors": len(tensors)},
+            "weights": {"file": writer.weights_path.name, "tensors": len(tensors), "aliases": aliases},
             "tokenizer": tokenizer,
             "provenance": provenance(spec, loaded),
         }
@@ -225,11 +225,12 @@ def trace_methods(plans: list[MethodPlan], progress: Progress) -> dict[str, torc
 
 def gather_weights(
     plans: list[MethodPlan], programs: dict[str, torch.export.ExportedProgram]
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, list[str]]]]:
-    """One tensor per name over all methods, and which names each method
-    binds. Every method traced from the same module shares its weights by
-    name; a name bound to two different values is an error."""
-    tensors: dict[str, torch.Tensor] = {}
+) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, dict[str, list[str]]]]:
+    """One tensor per name over all methods, the aliases (names bound to the
+    same tensor, such as tied embeddings: stored once), and which names each
+    method binds. Methods traced from the same module share weights by name;
+    a name bound to two different values is an error."""
+    by_name: dict[str, torch.Tensor] = {}
     bindings = {}
     for plan in plans:
         program = programs[plan.name]
@@ -237,17 +238,26 @@ def gather_weights(
         for kind, source in (("parameters", program.state_dict), ("buffers", program.state_dict), ("constants", program.constants)):
             for name in names[kind]:
                 tensor = source[name]
-                if name in tensors and tensors[name] is not tensor and not torch.equal(tensors[name], tensor):
+                if name in by_name and by_name[name] is not tensor and not torch.equal(by_name[name], tensor):
                     raise ExportError(f"{plan.name}: constant {name!r} clashes with another method's constant of that name")
-                tensors.setdefault(name, tensor)
+                by_name.setdefault(name, tensor)
         bindings[plan.name] = names
-    # safetensors stores each tensor on its own: no views, no shared storage
-    return {name: t.detach().contiguous().clone() if _shares_storage(t, tensors) else t.detach().contiguous() for name, t in tensors.items()}, bindings
-
-
-def _shares_storage(tensor: torch.Tensor, tensors: dict[str, torch.Tensor]) -> bool:
-    ptr = tensor.untyped_storage().data_ptr()
-    return sum(1 for t in tensors.values() if t.untyped_storage().data_ptr() == ptr) > 1
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    storages: set[int] = set()
+    for name in sorted(by_name):
+        tensor = by_name[name].detach()
+        key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+        if key in seen:
+            aliases[name] = seen[key]
+            continue
+        seen[key] = name
+        storage = tensor.untyped_storage().data_ptr()
+        # safetensors keeps each tensor on its own: a view into a storage already stored is copied out
+        tensors[name] = tensor.contiguous() if storage not in storages else tensor.clone()
+        storages.add(storage)
+    return tensors, aliases, bindings
 
 
 def provenance(spec: ExportSpec, loaded: LoadedModel) -> dict[str, Any]:

@@ -83,7 +83,8 @@ class LoadedPackage:
         start = time.perf_counter()
         # safetensors: no pickle; these tensors are the only copy every method binds.
         self.tensors: dict[str, torch.Tensor] = load_file(reader.weights_path)
-        log.info("loaded %d weight tensors in %.2f s", len(self.tensors), time.perf_counter() - start)
+        log.debug("loaded %d weight tensors in %.2f s", len(self.tensors), time.perf_counter() - start)
+        self.aliases: dict[str, str] = self.manifest.get("weights", {}).get("aliases", {})
         self._parameters: dict[str, torch.nn.Parameter] = {}
         self._methods: dict[str, Callable] = {}
 
@@ -105,17 +106,19 @@ class LoadedPackage:
             constants = {k: self._tensor(name, k) for k in names["constants"]}
             program = torch_compat.graph_from_json(self.reader.program_json(name), state, constants)
             self._methods[name] = program.module()
-            log.info("rebuilt %s in %.2f s", name, time.perf_counter() - start)
+            log.debug("rebuilt %s in %.2f s", name, time.perf_counter() - start)
         return self._methods[name]
 
     def _parameter(self, method: str, key: str) -> torch.nn.Parameter:
         """The program checks that parameters are Parameters: wrap (no copy)
         once, so every method binds the same object."""
+        key = self.aliases.get(key, key)
         if key not in self._parameters:
             self._parameters[key] = torch.nn.Parameter(self._tensor(method, key), requires_grad=False)
         return self._parameters[key]
 
     def _tensor(self, method: str, key: str) -> torch.Tensor:
+        key = self.aliases.get(key, key)
         if key not in self.tensors:
             raise PackageError(f"methods.{method}.weights: tensor {key!r} is not in {self.reader.weights_path.name}")
         return self.tensors[key]

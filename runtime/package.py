@@ -91,6 +91,7 @@ class PackageWriter:
             for p in self.files()
         }
         (self.root / MANIFEST).write_text(dump_manifest(manifest))
+        _apply_umask(self.root)
         backup = None
         if self.target.exists():
             backup = self.target.with_name(f".{self.target.name}.old-{os.getpid()}")
@@ -99,6 +100,16 @@ class PackageWriter:
         self.committed = True
         if backup is not None:
             shutil.rmtree(backup, ignore_errors=True)
+
+
+def _apply_umask(root: Path) -> None:
+    """mkdtemp makes a private directory; give the package the modes any
+    other file the user writes gets."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(root, 0o777 & ~umask)
+    for path in root.rglob("*"):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 class PackageReader:

@@ -1,0 +1,199 @@
+"""The kvexport command line. It parses and renders; the exporter and the
+runtime do the work."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+from click.core import ParameterSource
+
+from kvexport.runtime.errors import KvexportError
+
+log = logging.getLogger("kvexport")
+
+
+class KvexportGroup(click.Group):
+    """Turns a KvexportError into one line on stderr and exit code 1; the
+    traceback only with --debug."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KvexportError as e:
+            if ctx.meta.get("debug"):
+                raise
+            click.echo(f"kvexport: error: {e}", err=True)
+            ctx.exit(1)
+        except KeyboardInterrupt:
+            click.echo("kvexport: interrupted", err=True)
+            ctx.exit(130)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as e:
+            if ctx.meta.get("debug"):
+                raise
+            click.echo(f"kvexport: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", err=True)
+            ctx.exit(1)
+
+
+@click.group(cls=KvexportGroup)
+@click.option("--debug", is_flag=True, help="Show tracebacks and debug logs.")
+@click.option("-q", "--quiet", is_flag=True, help="Only errors on stderr.")
+@click.pass_context
+def main(ctx: click.Context, debug: bool, quiet: bool) -> None:
+    """Export Hugging Face causal LMs to batching-runtime packages, and run them."""
+    ctx.meta["debug"] = debug
+    level = logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO
+    logging.basicConfig(level=level, format="%(message)s", stream=sys.stderr, force=True)
+    for noisy in ("torch", "transformers", "torchao", "accelerate"):
+        logging.getLogger(noisy).setLevel(logging.DEBUG if debug else logging.ERROR)
+
+
+def _progress(message: str) -> None:
+    log.info(message)
+
+
+# ------------------------------------------------------------------ export
+_SPEC_OPTIONS = (
+    "use_offgraph_kv_cache",
+    "forward_sizes",
+    "max_step_tokens",
+    "max_cells",
+    "max_context_len",
+    "dtype",
+    "backend",
+    "overwrite",
+)
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("-o", "--output", type=click.Path(path_type=str), help="Package directory to write.")
+@click.option("--use-offgraph-kv-cache", is_flag=True, help="Export the offgraph_kv batching contract.")
+@click.option("--forward-sizes", help="Static forward widths, e.g. 1,2,4,8,16,32,64 (the default).")
+@click.option("--max-step-tokens", type=int, help="Widest step forward_others takes (default 4096).")
+@click.option("--max-cells", type=int, help="Cell pool size get_offgraph_kv_max_cells (default 65536).")
+@click.option("--max-context-len", type=int, help="Lower the model's context (default: the model's own).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), help="Weights and cache dtype (default fp32).")
+@click.option("--backend", help="Lowering backend (default portable).")
+@click.option("--config", "recipe", help="A recipe: configs/NAME.toml, a path, or a shipped recipe's name.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe key (repeatable).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing package at the output path.")
+@click.option("--list-builtins", is_flag=True, help="List the built-in model names and exit.")
+@click.pass_context
+def export(ctx: click.Context, model: str | None, output: str | None, recipe: str | None, overrides: tuple[str, ...], list_builtins: bool, **flags) -> None:
+    """Export MODEL (a Hugging Face directory, a .gguf file, or a built-in
+    name) to the package directory given by -o."""
+    from kvexport.exporter.models import BUILTINS
+    from kvexport.exporter.pipeline import export_package
+    from kvexport.exporter.spec import build_spec
+
+    if list_builtins:
+        for name, what in BUILTINS.items():
+            click.echo(f"{name:14} {what}")
+        return
+    given = {k: v for k, v in flags.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
+    if model is not None:
+        given["model"] = model
+    if output is not None:
+        given["output"] = output
+    spec = build_spec(recipe, given, overrides, command=["kvexport", *sys.argv[1:]])
+    result = export_package(spec, _progress)
+    click.echo(
+        f"wrote {result.path} in {result.seconds:.1f} s: {len(result.methods)} methods, "
+        f"{_mb(result.package_bytes)} = {result.size_ratio:.3f} x the weights ({_mb(result.weights_bytes)})"
+    )
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+# ----------------------------------------------------------------- inspect
+@main.command()
+@click.argument("package", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def inspect(package: Path, as_json: bool) -> None:
+    """Show a package's methods, metadata, sizes and provenance."""
+    from kvexport.runtime.inspect import describe, render
+
+    info = describe(package)
+    click.echo(json.dumps(info, indent=1, sort_keys=True) if as_json else render(info))
+
+
+# ---------------------------------------------------------------- generate
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise KvexportError(f"--prompt-ids {text!r}: expected comma-separated integers like 1,2,3") from None
+    if not ids:
+        raise KvexportError("--prompt-ids is empty")
+    return ids
+
+
+@main.command()
+@click.argument("package", type=click.Path(path_type=Path))
+@click.option("--prompt", "prompts", multiple=True, help="A prompt (repeat to run several sessions at once).")
+@click.option("--prompt-ids", "prompt_ids", multiple=True, help="A prompt as token ids, e.g. 1,2,3 (repeatable; after the --prompt ones).")
+@click.option("--raw", is_flag=True, help="Do not apply the chat template.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 turns it off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Prompt i samples with seed + i.")
+@click.option("--max-cells", type=int, help="Cells the runtime allocates at most (default: the package's).")
+@click.option("--host-sampler", is_flag=True, help="Sample on the host instead of the package's sample method.")
+@click.option("--json", "as_json", is_flag=True, help='Print {"outputs": [...]} instead of streaming text.')
+def generate(
+    package: Path,
+    prompts: tuple[str, ...],
+    prompt_ids: tuple[str, ...],
+    raw: bool,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    max_cells: int | None,
+    host_sampler: bool,
+    as_json: bool,
+) -> None:
+    """Generate from PACKAGE for one or more prompts, batched as concurrent sessions."""
+    from kvexport.runtime import SamplingConfig, load
+    from kvexport.runtime import generate as run_generate
+    from kvexport.runtime.text import TextStream
+
+    if not prompts and not prompt_ids:
+        raise KvexportError("nothing to generate for: pass --prompt TEXT or --prompt-ids 1,2,3")
+    runtime = load(package, max_cells=max_cells)
+    text = runtime.package.tokenizer() if prompts or runtime.package.manifest.get("tokenizer") else None
+    ids = [text.encode(p, chat=not raw) for p in prompts] + [_parse_ids(p) for p in prompt_ids]
+    sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    stream = TextStream(text) if text is not None and len(ids) == 1 and not as_json else None
+
+    def on_token(i: int, token: int) -> None:
+        if stream is not None:
+            click.echo(stream.push(token), nl=False)
+
+    outputs = run_generate(runtime, ids, max_new_tokens, sampling, seed, on_token, on_device_sampler=not host_sampler)
+    if as_json:
+        records = [
+            {"prompt_ids": p, "generated_ids": g, "text": text.decode(g) if text is not None else None}
+            for p, g in zip(ids, outputs)
+        ]
+        click.echo(json.dumps({"outputs": records}))
+    elif stream is not None:
+        click.echo()
+    else:
+        for i, generated in enumerate(outputs):
+            body = text.decode(generated) if text is not None else " ".join(map(str, generated))
+            click.echo(f"--- output {i} ---\n{body}")
+
+
+if __name__ == "__main__":
+    main()

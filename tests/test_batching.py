@@ -1,0 +1,208 @@
+"""Batched equals alone; clones; refusals; freed cells (CONTRACT.md 4-6)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import TINY, prompt_of
+from kvexport.runtime import RuntimeRefusal, StepEntry, generate
+from kvexport.runtime.errors import CapacityError
+
+
+def greedy_loop(runtime, sessions_and_tokens, steps: int) -> list[list[int]]:
+    """Decodes the given (session, first tokens) pairs together, greedily,
+    one step per token; returns each session's new tokens."""
+    pending = [list(tokens) for _, tokens in sessions_and_tokens]
+    out: list[list[int]] = [[] for _ in sessions_and_tokens]
+    for _ in range(steps):
+        logits = runtime.step([StepEntry(s, p) for (s, _), p in zip(sessions_and_tokens, pending)])
+        for i, row in enumerate(logits):
+            token = int(row.argmax())
+            out[i].append(token)
+            pending[i] = [token]
+    return out
+
+
+def solo(runtime_factory, model, prompt, steps):
+    runtime = runtime_factory(model)
+    return greedy_loop(runtime, [(runtime.new_session(), prompt)], steps)[0]
+
+
+class MethodLog:
+    """Wraps a runtime's package so every program call is recorded."""
+
+    def __init__(self, runtime):
+        self.calls: list[tuple[str, int]] = []
+        original = runtime.package.method
+
+        def method(name):
+            program = original(name)
+
+            def call(*args):
+                self.calls.append((name, int(args[0].shape[-1])))
+                return program(*args)
+
+            return call
+
+        runtime.package = _Proxy(runtime.package, method)
+
+
+class _Proxy:
+    def __init__(self, inner, method):
+        self._inner, self.method = inner, method
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("model", TINY)
+def test_four_sessions_batched_equal_alone(model, tiny_runtime):
+    prompts = [prompt_of(n, seed=n) for n in (3, 9, 1, 30)]
+    alone = [solo(tiny_runtime, model, p, 20) for p in prompts]
+    runtime = tiny_runtime(model)
+    log = MethodLog(runtime)
+    together = greedy_loop(runtime, [(runtime.new_session(), p) for p in prompts], 20)
+    assert together == alone
+    # 43 prompt tokens over max_step 24 -> forward_others + static; decode of 4 -> forward_4
+    assert {"forward_others", "forward_4"} <= {name for name, _ in log.calls}
+
+
+@pytest.mark.parametrize("model", TINY)
+def test_decode_and_wide_prompt_in_one_batch(model, tiny_runtime):
+    a_prompt, b_prompt = prompt_of(6, seed=10), prompt_of(57, seed=11)  # 57 > max_step_tokens 24
+    a_alone = solo(tiny_runtime, model, a_prompt, 12)
+    b_alone = solo(tiny_runtime, model, b_prompt, 12)
+    runtime = tiny_runtime(model)
+    a, b = runtime.new_session(), runtime.new_session()
+    [first] = runtime.step([StepEntry(a, a_prompt)])
+    a_tokens = [int(first.argmax())]
+    # a decodes while b's whole prompt arrives, in one batch of 58 tokens
+    la, lb = runtime.step([StepEntry(a, a_tokens[-1:]), StepEntry(b, b_prompt)])
+    a_tokens.append(int(la.argmax()))
+    rest = greedy_loop(runtime, [(a, [a_tokens[-1]]), (b, [int(lb.argmax())])], 11)
+    assert a_tokens + rest[0][:-1] == a_alone
+    assert [int(lb.argmax())] + rest[1] == b_alone
+
+
+@pytest.mark.parametrize("model", TINY)
+def test_every_forward_size_with_padding(model, tiny_runtime):
+    """Packed widths 1..24 and 31: each static size runs, padded where the
+    width is not a size, and forward_others takes the wide ones."""
+    runtime = tiny_runtime(model)
+    log = MethodLog(runtime)
+    for width in (1, 2, 3, 4, 5, 7, 8, 9, 24, 31):
+        prompt = prompt_of(width, seed=width)
+        alone = solo(tiny_runtime, model, prompt, 3)
+        session = runtime.new_session()
+        assert greedy_loop(runtime, [(session, prompt)], 3) == [alone]
+        runtime.release(session)
+    used = {name for name, _ in log.calls}
+    assert used == {"forward_1", "forward_2", "forward_4", "forward_8", "forward_others"}
+    padded = {name for name, width in log.calls if name != "forward_others" and width != int(name.split("_")[1])}
+    assert not padded  # the recorded width is the method's own (padding happened inside it)
+    widths_fed = {(name, width) for name, width in log.calls}
+    assert ("forward_4", 4) in widths_fed and ("forward_8", 8) in widths_fed
+
+
+@pytest.mark.parametrize("model", TINY)
+@pytest.mark.parametrize("prompt_len", [5, 50])  # 50 spans several forwards
+def test_clone_continues_as_source(model, prompt_len, tiny_runtime):
+    prompt = prompt_of(prompt_len, seed=prompt_len + 100)
+    runtime = tiny_runtime(model)
+    source = runtime.new_session()
+    [logits] = runtime.step([StepEntry(source, prompt)])
+    first = int(logits.argmax())
+    clone = runtime.clone(source)
+    assert clone.length == source.length == prompt_len
+    out = greedy_loop(runtime, [(source, [first]), (clone, [first])], 15)
+    assert out[0] == out[1] == solo(tiny_runtime, model, prompt, 16)[1:]
+
+
+@pytest.mark.parametrize("model", TINY)
+def test_clone_upto_rewinds(model, tiny_runtime):
+    prompt = prompt_of(12, seed=5)
+    runtime = tiny_runtime(model)
+    source = runtime.new_session()
+    runtime.step([StepEntry(source, prompt)])
+    partial = runtime.clone(source, upto=7)
+    [logits] = runtime.step([StepEntry(partial, prompt[7:])])
+    assert greedy_loop(runtime, [(partial, [int(logits.argmax())])], 5)[0] == solo(tiny_runtime, model, prompt, 6)[1:]
+
+
+def cache_state(runtime):
+    c = runtime.cache
+    return c.owners.clone(), c.positions.clone(), dict(c.next_pos), [p.clone() for p in c.pools]
+
+
+def assert_same_state(before, after):
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+    assert before[2] == after[2]
+    assert all(torch.equal(x, y) for x, y in zip(before[3], after[3]))
+
+
+@pytest.mark.parametrize("model", TINY)
+def test_refused_batch_changes_nothing(model, tiny_runtime):
+    prompt = prompt_of(9, seed=7)
+    want = solo(tiny_runtime, model, prompt, 10)
+    runtime = tiny_runtime(model, max_cells=40)
+    s = runtime.new_session()
+    other = runtime.new_session()
+    [logits] = runtime.step([StepEntry(s, prompt)])
+    tokens = [int(logits.argmax())]
+    before = cache_state(runtime)
+    refusals = [
+        ([StepEntry(s, tokens), StepEntry(other, prompt_of(35, seed=8))], CapacityError),  # 36 cells, 30 free
+        ([StepEntry(s, tokens), StepEntry(other, [5, 10**6])], RuntimeRefusal),  # id outside vocab
+        ([StepEntry(s, tokens), StepEntry(s, tokens)], RuntimeRefusal),  # same session twice
+        ([StepEntry(s, tokens), StepEntry(other, [])], RuntimeRefusal),
+        ([], RuntimeRefusal),
+    ]
+    for batch, error in refusals:
+        with pytest.raises(error):
+            runtime.step(batch)
+        assert_same_state(before, cache_state(runtime))
+    released = runtime.new_session()
+    runtime.release(released)
+    with pytest.raises(RuntimeRefusal, match="not a live session"):
+        runtime.step([StepEntry(s, tokens), StepEntry(released, [4])])
+    assert_same_state(before, cache_state(runtime))
+    assert tokens + greedy_loop(runtime, [(s, tokens)], 9)[0] == want
+
+
+def test_context_limit_refused(tiny_runtime):
+    runtime = tiny_runtime("tiny-llama")
+    context = runtime.cache.max_context_len
+    s = runtime.new_session()
+    with pytest.raises(CapacityError, match="context"):
+        runtime.step([StepEntry(s, [5] * (context + 1))])
+    assert s.length == 0
+
+
+@pytest.mark.parametrize("model", TINY)
+def test_released_cells_never_leak(model, tiny_runtime):
+    runtime = tiny_runtime(model)
+    old = runtime.new_session()
+    runtime.step([StepEntry(old, prompt_of(40, seed=20))])
+    old_cells = set(torch.nonzero(runtime.cache.owners).squeeze(1).tolist())
+    runtime.release(old)
+    prompt = prompt_of(10, seed=21)
+    new = runtime.new_session()
+    out = greedy_loop(runtime, [(new, prompt)], 8)[0]
+    reused = set(torch.nonzero(runtime.cache.owners).squeeze(1).tolist())
+    assert reused <= old_cells  # the new session sits on the released cells
+    assert out == solo(tiny_runtime, model, prompt, 8)
+
+
+def test_generate_batched_equals_alone(tiny_runtime):
+    prompts = [prompt_of(n, seed=n + 50) for n in (2, 15, 33, 4, 8)]
+    together = generate(tiny_runtime("tiny-qwen2"), prompts, 16)
+    alone = [generate(tiny_runtime("tiny-qwen2"), [p], 16)[0] for p in prompts]
+    assert together == alone
+
+
+def test_generate_refuses_what_cannot_fit(tiny_runtime):
+    runtime = tiny_runtime("tiny-llama", max_cells=64)
+    with pytest.raises(CapacityError, match="cells"):
+        generate(runtime, [prompt_of(40, seed=1), prompt_of(30, seed=2)], 4)
+    assert runtime.cache.next_pos == {}
