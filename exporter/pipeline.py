@@ -1,7 +1,8 @@
 """The export pipeline, as one ordered list of steps:
 
     load the model -> build the contract's forward -> plan the methods ->
-    trace each method -> gather the shared weights -> write the package
+    trace each method -> the backend's passes -> partition ->
+    gather the shared weights -> write the package
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from torch.export import Dim
 from kvexport.exporter.models import LoadedModel, load_model
 from kvexport.exporter.offgraph_module import OffgraphForward, SampleArgmaxModule, SampleModule
 from kvexport.exporter.spec import ExportSpec
+from kvexport.partitioners.base import Partitioner
+from kvexport.partitioners.portable import PortablePartitioner
+from kvexport.passes.base import run_passes
 from kvexport.runtime import manifest as mf
 from kvexport.runtime import torch_compat
 from kvexport.runtime.errors import ExportError, ModelError
@@ -66,6 +70,7 @@ def export_package(spec: ExportSpec, progress: Progress = log.info) -> ExportRes
     metadata = contract_metadata(spec, loaded, forward)
     plans = plan_methods(spec, forward, metadata)
     programs = trace_methods(plans, progress)
+    lower(programs, [PortablePartitioner()])
     tensors, aliases, bindings = gather_weights(plans, programs)
     with PackageWriter(Path(spec.output), overwrite=spec.overwrite) as writer:
         progress(f"writing {spec.output}")
@@ -221,6 +226,16 @@ def trace_methods(plans: list[MethodPlan], progress: Progress) -> dict[str, torc
             raise ExportError(f"tracing {plan.name} failed: {type(e).__name__}: {e}") from e
         progress(f"[{i}/{len(plans)}] {plan.name} traced in {time.perf_counter() - start:.1f} s")
     return programs
+
+
+def lower(programs: dict[str, torch.export.ExportedProgram], partitioners: list[Partitioner]) -> None:
+    """Each partitioner's contributed passes, in the partitioners' order, then
+    each partitioner tags what its backend takes."""
+    passes = [p for partitioner in partitioners for p in partitioner.edge_transform_passes()]
+    for name, program in programs.items():
+        run_passes(program.graph_module, passes, name)
+        for partitioner in partitioners:
+            partitioner.partition(program.graph_module)
 
 
 def gather_weights(
