@@ -68,16 +68,20 @@ def offgraph_attention(
     v_pool.index_copy_(0, state.cells, value[0].transpose(0, 1).to(v_pool.dtype))
     heads, tokens, head_dim = query.shape[1:]
     kv_heads = k_pool.shape[1]
-    q = query[0].reshape(kv_heads, heads // kv_heads, tokens, head_dim)  # [H_kv, G, T, D]
-    k = k_pool.permute(1, 0, 2).unsqueeze(1).to(query.dtype)  # [H_kv, 1, C, D]
-    v = v_pool.permute(1, 0, 2).unsqueeze(1).to(query.dtype)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * _scale(scaling, head_dim)  # [H_kv, G, T, C]
+    group = heads // kv_heads
+    q = query.reshape(kv_heads, group * tokens, head_dim)  # [H_kv, G*T, D]
+    # strided views straight into the pools: bmm reads them without a copy
+    k = k_pool.permute(1, 2, 0).to(query.dtype)  # [H_kv, D, C]
+    v = v_pool.permute(1, 0, 2).to(query.dtype)  # [H_kv, C, D]
+    scores = torch.bmm(q, k) * _scale(scaling, head_dim)  # [H_kv, G*T, C]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~state.masks[window], float("-inf"))
+    scores = scores.view(kv_heads, group, tokens, -1).masked_fill(~state.masks[window], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.matmul(probs, v)  # [H_kv, G, T, D]
-    return out.reshape(heads, tokens, head_dim).transpose(0, 1).unsqueeze(0), None  # [1, T, H, D]
+    out = torch.bmm(probs.view(kv_heads, group * tokens, -1), v)  # [H_kv, G*T, D]
+    # unflatten, not view: a view that splits G*T makes export guard on T
+    out = out.unflatten(1, (group, tokens)).reshape(heads, tokens, head_dim)
+    return out.transpose(0, 1).unsqueeze(0), None  # [1, T, H, D]
 
 
 def _scale(scaling: float | None, head_dim: int) -> float:
