@@ -8,18 +8,6 @@ import time
 import torch
 
 
-def memory_read_gbps(megabytes: int = 1024, repeats: int = 5) -> float:
-    """Best-of read bandwidth of this machine: summing a large fp32 tensor."""
-    x = torch.ones(megabytes * (1 << 20) // 4)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - start)
-    return x.numel() * 4 / best / 1e9
-
-
 def gemv_gbps(megabytes: int = 512, width: int = 576, repeats: int = 5) -> float:
     """Best-of bytes/s of fp32 matrix-vector products over a weight-sized
     matrix: what this machine's BLAS reaches on a decode step's main work."""

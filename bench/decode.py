@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common import emit, gemv_gbps, memory_read_gbps
+from common import emit, gemv_gbps
 from kvexport.exporter.models import load_model
 from kvexport.runtime import generate, load
 
@@ -79,15 +79,16 @@ def main() -> None:
             "package_ms_per_step": round(1000 * ours_s / steps, 2),
         }
 
-    # The floor of a decode step: every weight byte read once. Two readings
-    # of "memory bandwidth": a streaming sum, and BLAS matrix-vector products.
+    # The floor of a decode step: every weight byte read once, at this
+    # machine's matrix-vector read rate (measured here), and at the 19 GB/s
+    # the team's probes measured for plain reads.
     weights = manifest["files"][manifest["weights"]["file"]]["bytes"]
     step_ms = result["batch1"]["package_ms_per_step"]
     result["floor"] = {"weights_bytes": weights}
-    for name, gbps in (("sum", memory_read_gbps()), ("gemv", gemv_gbps())):
+    for name, gbps in (("gemv_measured", gemv_gbps()), ("read_19gbps", 19.0)):
         floor_ms = weights / (gbps * 1e9) * 1000
         result["floor"][name] = {
-            "read_gbps": round(gbps, 1),
+            "gbps": round(gbps, 1),
             "floor_ms_per_step": round(floor_ms, 2),
             "batch1_step_over_floor": round(step_ms / floor_ms, 3),
         }

@@ -74,6 +74,7 @@ def export_package(spec: ExportSpec, progress: Progress = log.info) -> ExportRes
     tensors, aliases, bindings = gather_weights(plans, programs)
     with PackageWriter(Path(spec.output), overwrite=spec.overwrite) as writer:
         progress(f"writing {spec.output}")
+        write_start = time.perf_counter()
         save_file(tensors, str(writer.weights_path), metadata={"format": "pt"})
         methods = {}
         for plan in plans:
@@ -105,6 +106,7 @@ def export_package(spec: ExportSpec, progress: Progress = log.info) -> ExportRes
         weights_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         package_bytes = sum(p.stat().st_size for p in writer.files())
         writer.commit(manifest)
+        progress(f"wrote the weights, {len(plans)} programs and checksums in {time.perf_counter() - write_start:.1f} s")
     package_bytes += (Path(spec.output) / "manifest.json").stat().st_size
     return ExportResult(Path(spec.output), [p.name for p in plans], package_bytes, weights_bytes, time.perf_counter() - start)
 
