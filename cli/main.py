@@ -58,18 +58,6 @@ def _progress(message: str) -> None:
 
 
 # ------------------------------------------------------------------ export
-_SPEC_OPTIONS = (
-    "use_offgraph_kv_cache",
-    "forward_sizes",
-    "max_step_tokens",
-    "max_cells",
-    "max_context_len",
-    "dtype",
-    "backend",
-    "overwrite",
-)
-
-
 @main.command()
 @click.argument("model", required=False)
 @click.option("-o", "--output", type=click.Path(path_type=str), help="Package directory to write.")
@@ -83,9 +71,19 @@ _SPEC_OPTIONS = (
 @click.option("--config", "recipe", help="A recipe: configs/NAME.toml, a path, or a shipped recipe's name.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe key (repeatable).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing package at the output path.")
+@click.option("--dump-graphs", type=click.Path(path_type=Path), help="Write every method's graph after each pipeline step here.")
 @click.option("--list-builtins", is_flag=True, help="List the built-in model names and exit.")
 @click.pass_context
-def export(ctx: click.Context, model: str | None, output: str | None, recipe: str | None, overrides: tuple[str, ...], list_builtins: bool, **flags) -> None:
+def export(
+    ctx: click.Context,
+    model: str | None,
+    output: str | None,
+    recipe: str | None,
+    overrides: tuple[str, ...],
+    dump_graphs: Path | None,
+    list_builtins: bool,
+    **flags,
+) -> None:
     """Export MODEL (a Hugging Face directory, a .gguf file, or a built-in
     name) to the package directory given by -o."""
     from kvexport.exporter.models import BUILTINS
@@ -102,7 +100,7 @@ def export(ctx: click.Context, model: str | None, output: str | None, recipe: st
     if output is not None:
         given["output"] = output
     spec = build_spec(recipe, given, overrides, command=["kvexport", *sys.argv[1:]])
-    result = export_package(spec, _progress)
+    result = export_package(spec, _progress, dump_graphs=dump_graphs)
     click.echo(
         f"wrote {result.path} in {result.seconds:.1f} s: {len(result.methods)} methods, "
         f"{_mb(result.package_bytes)} = {result.size_ratio:.3f} x the weights ({_mb(result.weights_bytes)})"
@@ -123,6 +121,24 @@ def inspect(package: Path, as_json: bool) -> None:
 
     info = describe(package)
     click.echo(json.dumps(info, indent=1, sort_keys=True) if as_json else render(info))
+
+
+# ---------------------------------------------------------------- validate
+@main.command()
+@click.argument("package", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def validate(ctx: click.Context, package: Path, as_json: bool) -> None:
+    """Check PACKAGE against its contract without running it: exit 0 when it
+    holds, 1 with every violation listed when it does not."""
+    from kvexport.runtime.validate import render, validate_package
+
+    report = validate_package(package)
+    if as_json:
+        click.echo(json.dumps({"path": report.path, "ok": report.ok, "checked": report.checked, "violations": report.violations}, indent=1))
+    else:
+        click.echo(render(report), err=not report.ok)
+    ctx.exit(0 if report.ok else 1)
 
 
 # ---------------------------------------------------------------- generate

@@ -1,12 +1,18 @@
-"""The export pipeline, as one ordered list of steps:
+"""The export pipeline, as one ordered list of steps (`export_package`):
 
-    load the model -> build the contract's forward -> plan the methods ->
-    trace each method -> the backend's passes -> partition ->
-    gather the shared weights -> write the package
+    trace each method
+    -> the caller's transform passes
+    -> each partitioner's contributed passes, in the partitioners' order
+    -> partition and lower (then the backends' checks of the lowered program)
+    -> reserve constant names, package-wide
+    -> write the package
+
+`dump_graphs` writes every method's graph after each step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import logging
@@ -14,7 +20,7 @@ import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from safetensors.torch import save_file
@@ -26,7 +32,9 @@ from kvexport.exporter.offgraph_module import OffgraphForward, SampleArgmaxModul
 from kvexport.exporter.spec import ExportSpec
 from kvexport.partitioners.base import Partitioner
 from kvexport.partitioners.portable import PortablePartitioner
-from kvexport.passes.base import run_passes
+from kvexport.passes.base import Pass, run_passes
+from kvexport.passes.check_step_width import STEP_WIDTH_META, USER_INPUTS_META
+from kvexport.passes.reserve_constant_names import ConstantNames, ReserveConstantNamesPass
 from kvexport.runtime import manifest as mf
 from kvexport.runtime import torch_compat
 from kvexport.runtime.errors import ExportError, ModelError
@@ -61,20 +69,117 @@ class ExportResult:
         return self.package_bytes / self.weights_bytes
 
 
-def export_package(spec: ExportSpec, progress: Progress = log.info) -> ExportResult:
+class GraphDump:
+    """Writes each method's graph after each step, when asked to."""
+
+    def __init__(self, directory: str | Path | None):
+        self.directory = Path(directory) if directory else None
+        self.count = 0
+
+    def __call__(self, step: str, programs: dict[str, torch.export.ExportedProgram]) -> None:
+        if self.directory is None:
+            return
+        self.count += 1
+        for name, program in programs.items():
+            path = self.directory / name / f"{self.count}-{step}.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"{program.graph_signature}\n\n{program.graph_module.print_readable(print_output=False)}")
+
+
+def export_package(
+    spec: ExportSpec,
+    progress: Progress = log.info,
+    *,
+    transform_passes: Sequence[Pass] = (),
+    partitioners: Sequence[Partitioner] | None = None,
+    dump_graphs: str | Path | None = None,
+) -> ExportResult:
     start = time.perf_counter()
     spec.validate()
+    partitioners = list(partitioners) if partitioners is not None else [PortablePartitioner()]
+    dump = GraphDump(dump_graphs)
     progress(f"loading {spec.model} ({spec.dtype})")
     loaded = load_model(spec.model, spec.dtype, progress)
     forward = OffgraphForward(loaded.model).eval()
     metadata = contract_metadata(spec, loaded, forward)
     plans = plan_methods(spec, forward, metadata)
+
     programs = trace_methods(plans, progress)
-    lower(programs, [PortablePartitioner()])
+    dump("trace", programs)
+    with _timed(progress, "caller's passes"):
+        run_on_each(programs, list(transform_passes))
+    dump("transform", programs)
+    with _timed(progress, "backend passes"):
+        run_on_each(programs, [p for partitioner in partitioners for p in partitioner.edge_transform_passes()])
+    dump("backend_passes", programs)
+    with _timed(progress, "partition, lower and check"):
+        partition_and_lower(programs, plans, partitioners)
+    dump("partition_lower", programs)
+    with _timed(progress, "reserve constant names"):
+        reserve_constant_names(programs)
+    dump("reserve_constant_names", programs)
+    with _timed(progress, f"write {spec.output}"):
+        result = write_package(spec, loaded, metadata, plans, programs)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+@contextlib.contextmanager
+def _timed(progress: Progress, what: str):
+    start = time.perf_counter()
+    yield
+    progress(f"{what}: {time.perf_counter() - start:.1f} s")
+
+
+def run_on_each(programs: dict[str, torch.export.ExportedProgram], passes: list[Pass]) -> None:
+    if passes:
+        for name, program in programs.items():
+            run_passes(program.graph_module, passes, name)
+
+
+def _fingerprint(graph_module: torch.fx.GraphModule) -> list[tuple]:
+    return [(n.op, n.name, str(n.target), str(n.args), str(n.kwargs)) for n in graph_module.graph.nodes]
+
+
+def partition_and_lower(
+    programs: dict[str, torch.export.ExportedProgram], plans: list[MethodPlan], partitioners: Sequence[Partitioner]
+) -> None:
+    """Each partitioner tags what its backend takes (and must leave the graph
+    as it was), then lowers; the backends' checks run on the lowered program
+    with the step width the lowering declares."""
+    checks = [check for partitioner in partitioners for check in partitioner.lowered_checks()]
+    for plan in plans:
+        program = programs[plan.name]
+        for partitioner in partitioners:
+            before = _fingerprint(program.graph_module)
+            partitioner.partition(program.graph_module)
+            if _fingerprint(program.graph_module) != before:
+                raise ExportError(f"partitioner {partitioner.backend_id!r} changed the graph of {plan.name} while tagging")
+            program = partitioner.lower(program, plan.name)
+            if plan.step_width is not None:
+                plan.step_width = partitioner.step_width(plan.step_width)
+        programs[plan.name] = program
+        program.graph_module.meta[STEP_WIDTH_META] = plan.step_width
+        program.graph_module.meta[USER_INPUTS_META] = list(program.graph_signature.user_inputs)
+        run_passes(program.graph_module, checks, plan.name)
+
+
+def reserve_constant_names(programs: dict[str, torch.export.ExportedProgram]) -> ConstantNames:
+    """Every name every method holds is reserved before any new constant is
+    named; then the tensors passes attached are lifted under fresh names."""
+    names = ConstantNames()
+    for program in programs.values():
+        names.reserve_program(program)
+    for name, program in programs.items():
+        run_passes(program.graph_module, [ReserveConstantNamesPass(names, program)], name)
+    return names
+
+
+def write_package(
+    spec: ExportSpec, loaded: LoadedModel, metadata: dict, plans: list[MethodPlan], programs: dict[str, torch.export.ExportedProgram]
+) -> ExportResult:
     tensors, aliases, bindings = gather_weights(plans, programs)
     with PackageWriter(Path(spec.output), overwrite=spec.overwrite) as writer:
-        progress(f"writing {spec.output}")
-        write_start = time.perf_counter()
         save_file(tensors, str(writer.weights_path), metadata={"format": "pt"})
         methods = {}
         for plan in plans:
@@ -106,9 +211,8 @@ def export_package(spec: ExportSpec, progress: Progress = log.info) -> ExportRes
         weights_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         package_bytes = sum(p.stat().st_size for p in writer.files())
         writer.commit(manifest)
-        progress(f"wrote the weights, {len(plans)} programs and checksums in {time.perf_counter() - write_start:.1f} s")
     package_bytes += (Path(spec.output) / "manifest.json").stat().st_size
-    return ExportResult(Path(spec.output), [p.name for p in plans], package_bytes, weights_bytes, time.perf_counter() - start)
+    return ExportResult(Path(spec.output), [p.name for p in plans], package_bytes, weights_bytes, 0.0)
 
 
 def contract_metadata(spec: ExportSpec, loaded: LoadedModel, forward: OffgraphForward) -> dict[str, Any]:
@@ -230,16 +334,6 @@ def trace_methods(plans: list[MethodPlan], progress: Progress) -> dict[str, torc
     return programs
 
 
-def lower(programs: dict[str, torch.export.ExportedProgram], partitioners: list[Partitioner]) -> None:
-    """Each partitioner's contributed passes, in the partitioners' order, then
-    each partitioner tags what its backend takes."""
-    passes = [p for partitioner in partitioners for p in partitioner.edge_transform_passes()]
-    for name, program in programs.items():
-        run_passes(program.graph_module, passes, name)
-        for partitioner in partitioners:
-            partitioner.partition(program.graph_module)
-
-
 def gather_weights(
     plans: list[MethodPlan], programs: dict[str, torch.export.ExportedProgram]
 ) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, dict[str, list[str]]]]:
@@ -256,7 +350,8 @@ def gather_weights(
             for name in names[kind]:
                 tensor = source[name]
                 if name in by_name and by_name[name] is not tensor and not torch.equal(by_name[name], tensor):
-                    raise ExportError(f"{plan.name}: constant {name!r} clashes with another method's constant of that name")
+                    # reserve_constant_names makes names unique package-wide
+                    raise AssertionError(f"{plan.name}: {name!r} names two different tensors")
                 by_name.setdefault(name, tensor)
         bindings[plan.name] = names
     tensors: dict[str, torch.Tensor] = {}

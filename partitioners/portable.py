@@ -1,13 +1,20 @@
-"""The portable backend: programs run by PyTorch's own kernels. It takes
-every compute node."""
+"""The portable backend: programs run by PyTorch's own kernels, so it takes
+every compute node and its lowering keeps the program as it is."""
 
 from __future__ import annotations
 
 import torch.fx
+from torch.fx.passes.operator_support import OperatorSupportBase
 
-from kvexport.partitioners.base import TAG, Partitioner
+from kvexport.partitioners.base import Partitioner
 from kvexport.passes.base import Pass
+from kvexport.passes.check_step_width import CheckStepWidthPass
 from kvexport.passes.remove_noops import RemoveNoOpsPass
+
+
+class _EveryOp(OperatorSupportBase):
+    def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
+        return node.op == "call_function"
 
 
 class PortablePartitioner(Partitioner):
@@ -16,8 +23,8 @@ class PortablePartitioner(Partitioner):
     def edge_transform_passes(self) -> list[Pass]:
         return [RemoveNoOpsPass()]
 
-    def partition(self, graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        for node in graph_module.graph.nodes:
-            if node.op == "call_function":
-                node.meta[TAG] = self.backend_id
-        return graph_module
+    def operator_support(self) -> OperatorSupportBase:
+        return _EveryOp()
+
+    def lowered_checks(self) -> list[Pass]:
+        return [CheckStepWidthPass()]

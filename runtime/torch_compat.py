@@ -21,7 +21,11 @@ from kvexport.runtime.errors import PackageError
 
 
 def graph_to_json(program: torch.export.ExportedProgram) -> bytes:
-    """The program's graph, signature and shape constraints; no tensors."""
+    """The program's graph, signature and shape constraints; no tensors.
+    Stack traces are dropped: they hold the export machine's paths and make
+    the bytes depend on where the export ran."""
+    for node in program.graph_module.graph.nodes:
+        node.meta.pop("stack_trace", None)
     artifact = serde.serialize(
         program,
         serialize_state_dict=False,
