@@ -50,6 +50,9 @@ def main() -> None:
         package_bytes = sum(f["bytes"] for f in files.values()) + (out / "manifest.json").stat().st_size
         weights_bytes = files[manifest["weights"]["file"]]["bytes"]
         traced = {m: float(s) for m, s in re.findall(r"\] (\S+) traced in ([0-9.]+) s", proc.stderr)}
+        steps = {k: float(v) for k, v in re.findall(r"^(caller's passes|backend passes|partition, lower and check|reserve constant names|write \S+): ([0-9.]+) s$", proc.stderr, re.M)}
+        steps = {("write" if k.startswith("write") else k): v for k, v in steps.items()}
+        passes_s = sum(v for k, v in steps.items() if k != "write")
         emit({
             "model": args.model,
             "forward_sizes": args.forward_sizes,
@@ -58,6 +61,9 @@ def main() -> None:
             "peak_rss_mb": round(peak_kb / 1024, 1),
             "trace_s_per_method": traced,
             "trace_s_total": round(sum(traced.values()), 1),
+            "pipeline_steps_s": steps,
+            "passes_and_checks_s": round(passes_s, 2),
+            "wall_over_trace": round(wall / sum(traced.values()), 2),
             "package_bytes": package_bytes,
             "weights_bytes": weights_bytes,
             "package_over_weights": round(package_bytes / weights_bytes, 4),
