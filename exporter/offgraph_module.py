@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvexport.exporter.architectures import resolve
 from kvexport.runtime.errors import ExportError, ModelError
 from kvexport.runtime.manifest import CacheGeometry
 from kvexport.runtime.sampler import sample, sample_argmax
@@ -134,6 +135,9 @@ class OffgraphForward(nn.Module):
     def __init__(self, causal_lm: nn.Module):
         super().__init__()
         register_attention()
+        if not getattr(causal_lm.config, "architectures", None):
+            causal_lm.config.architectures = [type(causal_lm).__name__]
+        self.architecture = resolve(causal_lm.config, type(causal_lm).__name__)
         causal_lm.config._attn_implementation = ATTENTION_NAME
         decoder = getattr(causal_lm, causal_lm.base_model_prefix)
         norm = getattr(decoder, "norm", None)
@@ -174,7 +178,8 @@ class OffgraphForward(nn.Module):
             input_ids=tokens, position_ids=input_pos.unsqueeze(0), use_cache=False, **{_STATE_KEY: step}
         ).last_hidden_state  # [1, T, hidden]
         rows = hidden[0].index_select(0, logits_to_keep)  # [K, hidden]
-        return self.lm_head(self.final_norm(rows)).float()  # [K, V]
+        logits = self.lm_head(self.final_norm(rows))
+        return self.architecture.finish_logits(self.config, logits).float()  # [K, V]
 
 
 class SampleModule(nn.Module):

@@ -6,6 +6,7 @@ import torch
 
 from kvexport.exporter.pipeline import export_package
 from kvexport.exporter.spec import build_spec
+from kvexport.exporter.verify import hf_greedy  # noqa: F401  (re-exported for the tests)
 
 TINY = ("tiny-llama", "tiny-qwen2")
 # small enough to export fast, wide enough that a prompt crosses every method
@@ -16,15 +17,6 @@ def export_tiny(model: str, out, **overrides):
     flags = dict(model=model, output=str(out), use_offgraph_kv_cache=True, **TINY_LAYOUT)
     flags.update(overrides)
     return export_package(build_spec(flags=flags), progress=lambda message: None)
-
-
-def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def prompt_of(length: int, seed: int, vocab: int = 1031) -> list[int]:

@@ -8,30 +8,7 @@ import torch
 
 from helpers import TINY, hf_greedy, prompt_of
 from kvexport.runtime import generate
-from kvexport.runtime.cell_cache import sequence_bit
-
-
-def run_method_directly(runtime, method: str, prefix: list[int], tokens: list[int]) -> torch.Tensor:
-    """Feeds `prefix` through the runtime, then `tokens` through `method`
-    itself with every row selected; returns logits [len(tokens), V]."""
-    session = runtime.new_session()
-    if prefix:
-        from kvexport.runtime import StepEntry
-
-        runtime.step([StepEntry(session, prefix, wants_logits=False)])
-    cache = runtime.cache
-    cells, positions = cache.place([session.seq] * len(tokens))
-    n_cells = cache.read_len()
-    masks = cache.masks(torch.full((len(tokens),), sequence_bit(session.seq)), positions, n_cells)
-    program = runtime.package.method(method)
-    return program(
-        torch.tensor([tokens]), positions, torch.arange(len(tokens)), *cache.views(n_cells), cells, *masks
-    )
-
-
-def hf_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
+from kvexport.exporter.verify import hf_logits, method_logits
 
 
 @pytest.mark.parametrize("model", TINY)
@@ -40,7 +17,7 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:
 def test_forward_logits_match_hf(model, method, width, prefix_len, tiny_runtime, hf_model):
     prefix = prompt_of(prefix_len, seed=1)
     tokens = prompt_of(width, seed=2)
-    got = run_method_directly(tiny_runtime(model), method, prefix, tokens)
+    got = method_logits(tiny_runtime(model), method, prefix, tokens)
     want = hf_logits(hf_model(model), prefix + tokens)[prefix_len:]
     assert got.shape == want.shape
     assert (got - want).abs().max().item() <= 1e-4
