@@ -154,7 +154,8 @@ class OffgraphForward(nn.Module):
     @torch.no_grad()
     def _probe_geometry(self) -> CacheGeometry:
         probe = GeometryProbe({})
-        self.decoder(input_ids=torch.tensor([[0, 1]]), position_ids=torch.tensor([[0, 1]]), use_cache=False, **{_STATE_KEY: probe})
+        ids = torch.tensor([[0, 1]], device=self.lm_head.weight.device)
+        self.decoder(input_ids=ids, position_ids=ids, use_cache=False, **{_STATE_KEY: probe})
         n = len(probe.layers)
         if sorted(probe.layers) != list(range(n)):
             raise ModelError(f"attention layers reported indices {sorted(probe.layers)}; expected 0..{n - 1}")

@@ -31,6 +31,8 @@ from kvexport.exporter.models import LoadedModel, load_model
 from kvexport.exporter.offgraph_module import OffgraphForward, SampleArgmaxModule, SampleModule
 from kvexport.exporter.spec import ExportSpec
 from kvexport.partitioners.base import Partitioner
+from kvexport.exporter.aoti_compile import CompileJob, compile_methods
+from kvexport.partitioners.aoti import AotiPartitioner, compile_target
 from kvexport.partitioners.portable import PortablePartitioner
 from kvexport.passes.base import Pass, run_passes
 from kvexport.passes.check_step_width import STEP_WIDTH_META, USER_INPUTS_META
@@ -38,7 +40,7 @@ from kvexport.passes.reserve_constant_names import ConstantNames, ReserveConstan
 from kvexport.runtime import manifest as mf
 from kvexport.runtime import torch_compat
 from kvexport.runtime.errors import ExportError, ModelError
-from kvexport.runtime.package import PackageWriter
+from kvexport.runtime.package import PackageWriter, program_path
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
@@ -96,11 +98,11 @@ def export_package(
 ) -> ExportResult:
     start = time.perf_counter()
     spec.validate()
-    partitioners = list(partitioners) if partitioners is not None else [PortablePartitioner()]
+    partitioners = list(partitioners) if partitioners is not None else default_partitioners(spec)
     dump = GraphDump(dump_graphs)
     progress(f"loading {spec.model} ({spec.dtype})")
     loaded = load_model(spec.model, spec.dtype, progress)
-    forward = OffgraphForward(loaded.model).eval()
+    forward = OffgraphForward(loaded.model.to(spec.device)).eval()
     metadata = contract_metadata(spec, loaded, forward)
     plans = plan_methods(spec, forward, metadata)
 
@@ -119,9 +121,17 @@ def export_package(
         reserve_constant_names(programs)
     dump("reserve_constant_names", programs)
     with _timed(progress, f"write {spec.output}"):
-        result = write_package(spec, loaded, metadata, plans, programs)
+        result = write_package(spec, loaded, metadata, plans, programs, progress)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def default_partitioners(spec: ExportSpec) -> list[Partitioner]:
+    if spec.backend == "aoti":
+        if spec.device == "cuda" and not torch.cuda.is_available():
+            raise ExportError("--device cuda needs a CUDA GPU, and torch sees none on this machine")
+        return [AotiPartitioner(spec.device)]
+    return [PortablePartitioner()]
 
 
 @contextlib.contextmanager
@@ -176,11 +186,16 @@ def reserve_constant_names(programs: dict[str, torch.export.ExportedProgram]) ->
 
 
 def write_package(
-    spec: ExportSpec, loaded: LoadedModel, metadata: dict, plans: list[MethodPlan], programs: dict[str, torch.export.ExportedProgram]
+    spec: ExportSpec,
+    loaded: LoadedModel,
+    metadata: dict,
+    plans: list[MethodPlan],
+    programs: dict[str, torch.export.ExportedProgram],
+    progress: Progress = log.info,
 ) -> ExportResult:
     tensors, aliases, bindings = gather_weights(plans, programs)
     with PackageWriter(Path(spec.output), overwrite=spec.overwrite) as writer:
-        save_file(tensors, str(writer.weights_path), metadata={"format": "pt"})
+        save_file({k: t.cpu() for k, t in tensors.items()}, str(writer.weights_path), metadata={"format": "pt"})
         methods = {}
         for plan in plans:
             entry = {
@@ -193,6 +208,17 @@ def write_package(
             if plan.step_width is not None:
                 entry["step_width"] = plan.step_width
             methods[plan.name] = entry
+        backend = {"id": spec.backend}
+        if spec.backend == "aoti":
+            backend["target"] = compile_target(spec.device)
+            jobs = [
+                CompileJob(plan.name, writer.root / methods[plan.name]["program"], writer.weights_path,
+                           bindings[plan.name], aliases, plan.inputs, writer.root / program_path(plan.name, compiled=True))
+                for plan in plans
+            ]
+            compile_methods(jobs, spec.compile_workers, progress)
+            for job in jobs:
+                methods[job.method]["compiled"] = job.output.relative_to(writer.root).as_posix()
         tokenizer = None
         if loaded.tokenizer is not None:
             loaded.tokenizer.save_pretrained(str(writer.tokenizer_dir))
@@ -204,6 +230,7 @@ def write_package(
             "metadata": metadata,
             "methods": methods,
             "weights": {"file": writer.weights_path.name, "tensors": len(tensors), "aliases": aliases},
+            "backend": backend,
             "tokenizer": tokenizer,
             "provenance": provenance(spec, loaded),
         }
@@ -299,6 +326,7 @@ def _forward_plan(name: str, spec: ExportSpec, forward: OffgraphForward, metadat
         *({0: T, 1: cells_dim} if T is not None else {1: cells_dim} for _ in masks),
     )
     dynamic_shapes = ({1: T} if T is not None else None, tdim, {0: K} if K is not None else None, state_shapes)
+    example_args = tuple(a.to(spec.device) for a in example_args)
     return MethodPlan(name, "forward", forward, example_args, dynamic_shapes, inputs, outputs, mf.PUBLIC_STEP_WIDTH)
 
 
@@ -310,8 +338,8 @@ def plan_methods(spec: ExportSpec, forward: OffgraphForward, metadata: dict) -> 
     plans.append(_forward_plan("forward_others", spec, forward, metadata, t_dim, k_dim))
     vocab = forward.vocab_size
     rows = Dim("R", min=1, max=1 << 16)
-    logits = torch.randn(3, vocab)
-    params = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.7, 0.9, 0.0, 0.5], [1.0, 1.0, 5.0, 0.3]])
+    logits = torch.randn(3, vocab, device=spec.device)
+    params = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.7, 0.9, 0.0, 0.5], [1.0, 1.0, 5.0, 0.3]], device=spec.device)
     inputs, outputs = mf.sampler_io(vocab, True)
     plans.append(MethodPlan("sample", "sampler", SampleModule(), (logits, params), ({0: rows}, {0: rows}), inputs, outputs))
     inputs, outputs = mf.sampler_io(vocab, False)

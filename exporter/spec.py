@@ -15,6 +15,7 @@ from kvexport.runtime.errors import SpecError
 from kvexport.runtime.manifest import DTYPES
 
 DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
+BACKENDS = ("portable", "aoti")
 
 
 @dataclass
@@ -28,6 +29,8 @@ class ExportSpec:
     max_context_len: int = 0  # 0: the model's native context
     dtype: str = "fp32"
     backend: str = "portable"
+    device: str = "cpu"  # aoti: the device the methods are compiled for
+    compile_workers: int = 0  # aoti: parallel compile processes (0: one per core, at most one per method)
     overwrite: bool = False
     # filled in by the CLI for provenance, not a recipe key
     command: list[str] = field(default_factory=list, metadata={"recipe": False})
@@ -67,8 +70,14 @@ class ExportSpec:
             )
         if self.dtype not in DTYPES:
             raise SpecError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.backend != "portable":
-            raise SpecError(f"--backend {self.backend!r} is not available; known backends: portable")
+        if self.backend not in BACKENDS:
+            raise SpecError(f"--backend {self.backend!r} is not available; known backends: {', '.join(BACKENDS)}")
+        if self.device not in ("cpu", "cuda"):
+            raise SpecError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and self.backend != "aoti":
+            raise SpecError("--device cuda needs --backend aoti (the portable backend runs on the CPU)")
+        if not _is_int(self.compile_workers) or self.compile_workers < 0:
+            raise SpecError(f"--compile-workers must be >= 0 (0: one per core), got {self.compile_workers!r}")
         if not self.use_offgraph_kv_cache:
             raise SpecError(
                 "only the off-graph KV contract is implemented so far; pass --use-offgraph-kv-cache"

@@ -41,6 +41,7 @@ def describe(path: Path) -> dict[str, Any]:
             "files": {rel: entry.get("bytes") for rel, entry in files.items()},
         },
         "tokenizer": m.get("tokenizer"),
+        "backend": m.get("backend", {"id": "portable"}),
         "provenance": m.get("provenance", {}),
     }
 
@@ -60,6 +61,9 @@ def render(info: dict[str, Any]) -> str:
         f"{info['path']}: {contract.get('name')} v{contract.get('version')}, {len(info['methods'])} methods, "
         f"{sizes['package_bytes'] / 1e6:.1f} MB ({ratio} x the weights' {sizes['weights_bytes'] / 1e6:.1f} MB)"
     )
+    backend = info.get("backend") or {}
+    target = backend.get("target")
+    lines.append(f"backend: {backend.get('id')}" + (f" (compiled for {', '.join(f'{k} {v}' for k, v in sorted(target.items()))})" if target else ""))
     lines.append("methods:")
     state_note = None
     for name in sorted(info["methods"], key=_method_order):

@@ -78,11 +78,18 @@ class LoadedPackage:
     def __init__(self, reader: PackageReader, verify: bool = True):
         self.reader = reader
         self.manifest = reader.manifest
+        self.backend = self.manifest.get("backend", {"id": "portable"})
+        self.device = "cpu"
+        if self.backend["id"] == "aoti":
+            target = self.backend["target"]
+            check_target(target)
+            self.device = target["device"]
+            verify = True  # native code: never load a byte the manifest does not vouch for
         if verify:
             mf.require(reader.verify_checksums(), f"{reader.path}: the package is damaged")
         start = time.perf_counter()
         # safetensors: no pickle; these tensors are the only copy every method binds.
-        self.tensors: dict[str, torch.Tensor] = load_file(reader.weights_path)
+        self.tensors: dict[str, torch.Tensor] = load_file(reader.weights_path, device=self.device)
         log.debug("loaded %d weight tensors in %.2f s", len(self.tensors), time.perf_counter() - start)
         self.aliases: dict[str, str] = self.manifest.get("weights", {}).get("aliases", {})
         self._parameters: dict[str, torch.nn.Parameter] = {}
@@ -97,6 +104,8 @@ class LoadedPackage:
 
     def method(self, name: str) -> Callable:
         """The runnable program of a method, rebuilt on first use."""
+        if name not in self._methods and "compiled" in self.manifest["methods"][name]:
+            self._methods[name] = self._load_compiled(name)
         if name not in self._methods:
             entry = self.manifest["methods"][name]
             start = time.perf_counter()
@@ -112,6 +121,23 @@ class LoadedPackage:
             self._methods[name] = module
             log.debug("rebuilt %s in %.2f s", name, time.perf_counter() - start)
         return self._methods[name]
+
+    def _load_compiled(self, name: str) -> Callable:
+        """An AOTInductor method with the package's tensors bound as
+        user-managed constants (no copy), before it can ever be called:
+        calling one with unbound constants crashes the process."""
+        entry = self.manifest["methods"][name]
+        start = time.perf_counter()
+        runner = torch._inductor.aoti_load_package(str(self.reader.file(entry["compiled"])))
+        names = entry["weights"]
+        wanted = names["parameters"] + names["buffers"] + names["constants"]
+        fqns = runner.get_constant_fqns()
+        missing = sorted(set(fqns) - set(wanted))
+        if missing:
+            raise PackageError(f"methods.{name}.compiled: needs constants the manifest does not bind: {missing[:5]}")
+        runner.load_constants({k: self._tensor(name, k) for k in fqns}, check_full_update=True, user_managed=True)
+        log.debug("loaded compiled %s in %.2f s", name, time.perf_counter() - start)
+        return runner
 
     def _parameter(self, method: str, key: str) -> torch.nn.Parameter:
         """The program checks that parameters are Parameters: wrap (no copy)
@@ -131,6 +157,39 @@ class LoadedPackage:
         from kvexport.runtime.text import load_tokenizer
 
         return load_tokenizer(self.reader.tokenizer_dir)
+
+
+_ISA_ORDER = ("avx2", "avx512")
+
+
+def check_target(target: dict) -> None:
+    """Refuses a compiled package this machine cannot run, saying what the
+    package needs and what the machine has."""
+    import platform
+
+    needs, has = [], []
+    if target.get("torch") != torch.__version__:
+        needs.append(f"torch {target.get('torch')}")
+        has.append(f"torch {torch.__version__}")
+    if target.get("machine") not in (None, platform.machine()):
+        needs.append(target["machine"])
+        has.append(platform.machine())
+    if target.get("device") == "cuda":
+        if not torch.cuda.is_available():
+            needs.append("a CUDA GPU")
+            has.append("none")
+    elif target.get("cpu_isa"):
+        from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+        available = [str(isa) for isa in valid_vec_isa_list()]
+        if target["cpu_isa"] not in available:
+            needs.append(f"CPU instructions {target['cpu_isa']}")
+            has.append(", ".join(available) or "no vector ISA")
+    if needs:
+        raise PackageError(
+            f"backend.target: this package was compiled for {', '.join(needs)}; this machine has {', '.join(has)}. "
+            f"Export it again here (kvexport export --backend aoti), or use a portable package"
+        )
 
 
 def load(path: str | Path, *, verify: bool = True, **options: Any) -> IOManager:

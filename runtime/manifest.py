@@ -279,6 +279,27 @@ def format_shape(shape: Any) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
+BACKENDS = ("portable", "aoti")
+
+
+def check_backend(manifest: dict) -> list[str]:
+    """The optional `backend` entry: which lowering made the programs and,
+    for compiled ones, the target they need."""
+    backend = manifest.get("backend", {"id": "portable"})
+    if not isinstance(backend, dict) or backend.get("id") not in BACKENDS:
+        return [f"backend: expected {{\"id\": one of {', '.join(BACKENDS)}}}, found {backend!r}"]
+    if backend["id"] != "aoti":
+        return []
+    problems = []
+    target = backend.get("target")
+    if not isinstance(target, dict) or target.get("device") not in ("cpu", "cuda") or not isinstance(target.get("torch"), str):
+        problems.append("backend.target: expected the compile target (device, torch, ...)")
+    for name, entry in manifest["methods"].items():
+        if isinstance(entry, dict) and not isinstance(entry.get("compiled"), str):
+            problems.append(f"methods.{name}.compiled: an aoti package needs every method's compiled file")
+    return problems
+
+
 def check_offgraph_manifest(manifest: Any) -> list[str]:
     problems = check_envelope(manifest)
     if problems:
@@ -291,7 +312,7 @@ def check_offgraph_manifest(manifest: Any) -> list[str]:
     problems = check_offgraph_metadata(manifest["metadata"])
     if problems:
         return problems
-    return check_offgraph_methods(manifest)
+    return check_offgraph_methods(manifest) + check_backend(manifest)
 
 
 def require(problems: list[str], what: str) -> None:

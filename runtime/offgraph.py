@@ -81,8 +81,9 @@ class OffgraphKVManager(IOManager):
             )
         geometry = mf.CacheGeometry(tuple(md["get_kv_heads"]), tuple(md["get_head_dims"]), tuple(md["get_windows"]))
         dtype = getattr(torch, mf.TORCH_DTYPE_NAMES[md["dtype"]])
+        self.device = torch.device(package.device)
         self.cache = CellCache(
-            geometry, max_cells or package_cells, dtype, md["get_max_context_len"], allocator=allocator
+            geometry, max_cells or package_cells, dtype, md["get_max_context_len"], device=self.device, allocator=allocator
         )
 
     # ------------------------------------------------------------ sessions
@@ -187,13 +188,14 @@ class OffgraphKVManager(IOManager):
             step_cells = _pad(cells[sl], pad, SCRATCH_CELL)
             step_bits = _pad(bits[sl], pad, 0)
             masks = self.cache.masks(step_bits, step_pos, n_cells)
+            on = self.device
             logits = self.package.method(piece.method)(
-                step_tokens.unsqueeze(0),
-                step_pos,
-                torch.tensor(keep, dtype=torch.int64),
+                step_tokens.unsqueeze(0).to(on),
+                step_pos.to(on),
+                torch.tensor(keep, dtype=torch.int64, device=on),
                 *pools,
-                step_cells,
-                *masks,
+                step_cells.to(on),
+                *(mask.to(on) for mask in masks),
             )
             for i, row in enumerate(rows):
                 out[piece.start + row] = logits[i]
@@ -205,6 +207,7 @@ class OffgraphKVManager(IOManager):
         """Draws one token per row with the package's sampler (on_device)
         or the host's; both give the same tokens for the same params."""
         greedy = bool((params[:, 0] <= 0).all())
+        params = params.to(logits.device)
         if on_device and greedy and self.package.has_method("sample_argmax"):
             return self.package.method("sample_argmax")(logits)
         if on_device and self.package.has_method("sample"):

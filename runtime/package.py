@@ -4,6 +4,7 @@ that knows where things live inside a package directory:
     manifest.json               sorted JSON, readable without torch
     weights.safetensors         every tensor the programs need, once
     programs/<method>.json.gz   torch.export graphs without weights
+    programs/<method>.aoti.pt2  AOTInductor-compiled methods (aoti backend), no weights
     tokenizer/                  tokenizer files and chat template, if any
 """
 
@@ -34,8 +35,8 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def program_path(method: str) -> str:
-    return f"{PROGRAMS_DIR}/{method}.json.gz"
+def program_path(method: str, compiled: bool = False) -> str:
+    return f"{PROGRAMS_DIR}/{method}.aoti.pt2" if compiled else f"{PROGRAMS_DIR}/{method}.json.gz"
 
 
 def dump_manifest(manifest: dict) -> str:

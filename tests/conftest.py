@@ -11,26 +11,33 @@ from kvexport.runtime import OffgraphKVManager, load
 
 @pytest.fixture(scope="session")
 def tiny_package(tmp_path_factory):
-    """model name -> exported package path (fp32)."""
+    """(model name, backend) -> exported package path (fp32)."""
     cache = {}
 
-    def get(model: str):
-        if model not in cache:
-            cache[model] = export_tiny(model, tmp_path_factory.mktemp(model) / "pkg").path
-        return cache[model]
+    def get(model: str, backend: str = "portable"):
+        if (model, backend) not in cache:
+            out = tmp_path_factory.mktemp(f"{model}-{backend}") / "pkg"
+            cache[model, backend] = export_tiny(model, out, backend=backend).path
+        return cache[model, backend]
 
     return get
 
 
+@pytest.fixture(scope="session", params=["portable", "aoti"])
+def backend(request):
+    """Every test that runs tokens through a tiny runtime runs on both backends."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
-def tiny_runtime(tiny_package):
+def tiny_runtime(tiny_package, backend):
     """model name -> a factory of fresh runtimes (empty cell caches) that
-    share one loaded package, so programs are rebuilt once per session."""
+    share one loaded package, so programs are loaded once per session."""
     loaded = {}
 
     def get(model: str, **options) -> OffgraphKVManager:
         if model not in loaded:
-            loaded[model] = load(tiny_package(model)).package
+            loaded[model] = load(tiny_package(model, backend)).package
         return OffgraphKVManager(loaded[model], **options)
 
     return get

@@ -1,0 +1,109 @@
+"""The AOTInductor backend: compile target, refusals, checksums before native
+code, no pickle. (Every token test runs on aoti packages too: see the
+`backend` fixture.)"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from helpers import prompt_of
+from kvexport.cli.main import main
+from kvexport.runtime import PackageError, generate, load
+from kvexport.runtime.validate import validate_package
+
+
+@pytest.fixture(scope="module")
+def aoti_package(tiny_package):
+    return tiny_package("tiny-qwen2", "aoti")
+
+
+def copy_with(tmp_path, source, edit=None):
+    target = tmp_path / "pkg"
+    shutil.copytree(source, target)
+    if edit:
+        manifest = json.loads((target / "manifest.json").read_text())
+        edit(manifest)
+        (target / "manifest.json").write_text(json.dumps(manifest, sort_keys=True))
+    return target
+
+
+def test_manifest_records_the_compile_target(aoti_package):
+    manifest = json.loads((aoti_package / "manifest.json").read_text())
+    target = manifest["backend"]["target"]
+    assert manifest["backend"]["id"] == "aoti"
+    assert target["device"] == "cpu" and target["torch"] == torch.__version__ and target["cpu_isa"]
+    for name, entry in manifest["methods"].items():
+        assert entry["compiled"] == f"programs/{name}.aoti.pt2"
+        assert entry["compiled"] in manifest["files"]
+    # the weights are in the weights file once, not in the compiled methods
+    import zipfile
+
+    for entry in manifest["methods"].values():
+        names = zipfile.ZipFile(aoti_package / entry["compiled"]).namelist()
+        assert any(n.endswith(".so") for n in names)
+        assert not [n for n in names if "/constants/" in n or "/weights/" in n]
+
+
+@pytest.mark.parametrize(
+    "key,value,needs",
+    [("torch", "2.0.0", "torch 2.0.0"), ("cpu_isa", "avx1024", "CPU instructions avx1024"), ("device", "cuda", None)],
+)
+def test_refused_on_a_machine_that_cannot_run_it(tmp_path, aoti_package, key, value, needs):
+    if key == "device" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    target = copy_with(tmp_path, aoti_package, lambda m: m["backend"]["target"].update({key: value}))
+    with pytest.raises(PackageError, match="this package was compiled for .*; this machine has") as error:
+        load(target)
+    assert (needs or "a CUDA GPU") in str(error.value)
+
+
+def test_checksums_before_native_code(tmp_path, aoti_package, monkeypatch):
+    target = copy_with(tmp_path, aoti_package)
+    with open(target / "programs" / "forward_1.aoti.pt2", "r+b") as f:
+        f.seek(200)
+        f.write(b"\0" * 16)
+
+    def never(*args, **kwargs):
+        raise AssertionError("native code loaded")
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", never)
+    with pytest.raises(PackageError, match="forward_1.aoti.pt2: checksum"):
+        load(target, verify=False)  # compiled packages are always verified
+
+
+def test_inspect_and_validate_never_load_native_code(aoti_package, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("native code loaded")
+
+    monkeypatch.setattr(torch._inductor, "aoti_load_package", never)
+    assert validate_package(aoti_package).ok
+    result = CliRunner().invoke(main, ["inspect", str(aoti_package)])
+    assert result.exit_code == 0 and "aoti" in result.stdout
+
+
+def test_loading_never_unpickles(aoti_package, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("unpickling during load")
+
+    for name in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, name, refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    runtime = load(aoti_package)
+    assert len(generate(runtime, [prompt_of(9, seed=2)], 5, stop_at_eos=False)[0]) == 5
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result = CliRunner().invoke(
+        main, ["export", "tiny-llama", "-o", str(tmp_path / "p"), "--use-offgraph-kv-cache", "--backend", "aoti", "--device", "cuda"]
+    )
+    assert result.exit_code == 1
+    assert "--device cuda needs a CUDA GPU" in result.stderr
+    assert not (tmp_path / "p").exists()
