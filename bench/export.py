@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--max-step-tokens", default="4096")
     parser.add_argument("--max-cells", default="65536")
     parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--backend", default="portable")
+    parser.add_argument("--compile-workers", default="0")
     parser.add_argument("--keep", type=Path, help="Write the package here instead of a temporary directory.")
     args = parser.parse_args()
 
@@ -38,6 +40,7 @@ def main() -> None:
             sys.executable, "-m", "kvexport.cli.main", "export", args.model, "-o", str(out), "--overwrite",
             "--use-offgraph-kv-cache", "--forward-sizes", args.forward_sizes,
             "--max-step-tokens", args.max_step_tokens, "--max-cells", args.max_cells, "--dtype", args.dtype,
+            "--backend", args.backend, "--compile-workers", args.compile_workers,
         ]
         start = time.perf_counter()
         proc = subprocess.run(command, capture_output=True, text=True)
@@ -52,9 +55,15 @@ def main() -> None:
         traced = {m: float(s) for m, s in re.findall(r"\] (\S+) traced in ([0-9.]+) s", proc.stderr)}
         steps = {k: float(v) for k, v in re.findall(r"^(caller's passes|backend passes|partition, lower and check|reserve constant names|write \S+): ([0-9.]+) s$", proc.stderr, re.M)}
         steps = {("write" if k.startswith("write") else k): v for k, v in steps.items()}
+        compiled = {m: float(s) for m, s in re.findall(r"\] (\S+) compiled in ([0-9.]+) s", proc.stderr)}
+        compile_wall = re.findall(r"compiled \d+ methods in ([0-9.]+) s with (\d+) worker", proc.stderr)
         passes_s = sum(v for k, v in steps.items() if k != "write")
         emit({
             "model": args.model,
+            "backend": args.backend,
+            "compile_s_per_method": compiled,
+            "compile_wall_s": float(compile_wall[0][0]) if compile_wall else None,
+            "compile_workers": int(compile_wall[0][1]) if compile_wall else None,
             "forward_sizes": args.forward_sizes,
             "methods": len(manifest["methods"]),
             "wall_s": round(wall, 1),

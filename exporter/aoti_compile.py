@@ -32,6 +32,7 @@ class CompileJob:
     aliases: dict
     inputs: list  # the manifest's input specs: example shapes come from them
     output: Path
+    device: str = "cpu"
 
 
 def compile_one(job: CompileJob) -> tuple[str, float]:
@@ -45,7 +46,7 @@ def compile_one(job: CompileJob) -> tuple[str, float]:
     from kvexport.runtime import torch_compat
 
     start = time.perf_counter()
-    tensors = load_file(job.weights)
+    tensors = load_file(job.weights, device=job.device)
 
     def tensor(name: str) -> torch.Tensor:
         return tensors[job.aliases.get(name, name)]
@@ -54,7 +55,7 @@ def compile_one(job: CompileJob) -> tuple[str, float]:
     state.update({k: tensor(k) for k in job.bindings["buffers"]})
     constants = {k: tensor(k) for k in job.bindings["constants"]}
     program = torch_compat.graph_from_json(gzip.decompress(job.graph.read_bytes()), state, constants)
-    program.example_inputs = (example_inputs(job.inputs), {})
+    program.example_inputs = (tuple(t.to(job.device) for t in example_inputs(job.inputs)), {})
     torch._inductor.aoti_compile_and_package(program, package_path=str(job.output), inductor_configs=INDUCTOR_CONFIGS)
     return job.method, time.perf_counter() - start
 

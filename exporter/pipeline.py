@@ -213,7 +213,8 @@ def write_package(
             backend["target"] = compile_target(spec.device)
             jobs = [
                 CompileJob(plan.name, writer.root / methods[plan.name]["program"], writer.weights_path,
-                           bindings[plan.name], aliases, plan.inputs, writer.root / program_path(plan.name, compiled=True))
+                           bindings[plan.name], aliases, plan.inputs, writer.root / program_path(plan.name, compiled=True),
+                           spec.device)
                 for plan in plans
             ]
             compile_methods(jobs, spec.compile_workers, progress)

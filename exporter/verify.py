@@ -34,11 +34,11 @@ def method_logits(runtime: OffgraphKVManager, method: str, prefix: Sequence[int]
 
 def hf_logits(model: Any, ids: Sequence[int]) -> torch.Tensor:
     with torch.no_grad():
-        return model(torch.tensor([list(ids)])).logits[0].float()
+        return model(torch.tensor([list(ids)], device=model.device)).logits[0].float().cpu()
 
 
 def hf_greedy(model: Any, prompt: Sequence[int], max_new_tokens: int) -> list[int]:
-    ids = torch.tensor([list(prompt)])
+    ids = torch.tensor([list(prompt)], device=model.device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt) :].tolist()
@@ -61,7 +61,7 @@ def verify(runtime: OffgraphKVManager, model: Any, prompts: Sequence[Sequence[in
     diffs = {}
     for method, width in method_widths(runtime).items():
         tokens = [(7 * i + 3) % runtime.vocab_size for i in range(width)]
-        got = method_logits(runtime, method, prefix, tokens)
+        got = method_logits(runtime, method, prefix, tokens).cpu()
         want = hf_logits(model, prefix + tokens)[len(prefix) :]
         diffs[method] = float((got - want).abs().max())
     want = [hf_greedy(model, p, new_tokens) for p in prompts]

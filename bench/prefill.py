@@ -1,0 +1,74 @@
+"""Prefill tokens/s of a package for one long prompt, against HF's forward
+over the same prompt, in one run.
+
+    python bench/prefill.py --package PKG [--prompt-len 512]
+
+The package selects only the last row for the LM head; HF is measured both
+as a plain forward (all rows through the LM head) and with logits_to_keep=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from common import emit
+from kvexport.exporter.models import load_model
+from kvexport.runtime import StepEntry, load
+
+
+def best_of(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--package", required=True, type=Path)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    manifest = json.loads((args.package / "manifest.json").read_text())
+    source = manifest["provenance"]["source"]
+    hf = load_model(source.get("builtin") or source.get("gguf") or source["path"]).model
+    runtime = load(args.package)
+    ids = torch.randint(3, manifest["metadata"]["get_vocab_size"], (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def ours() -> None:
+        session = runtime.new_session()
+        runtime.step([StepEntry(session, ids)])
+        runtime.release(session)
+
+    def hf_full() -> None:
+        with torch.no_grad():
+            hf(torch.tensor([ids]))
+
+    def hf_last() -> None:
+        with torch.no_grad():
+            hf(torch.tensor([ids]), logits_to_keep=1)
+
+    n = args.prompt_len
+    ours_s, full_s, last_s = (best_of(f, args.repeats) for f in (ours, hf_full, hf_last))
+    emit({
+        "package": str(args.package),
+        "backend": manifest.get("backend", {}).get("id", "portable"),
+        "prompt_len": n,
+        "package_tokens_per_s": round(n / ours_s, 1),
+        "hf_forward_tokens_per_s": round(n / full_s, 1),
+        "hf_forward_last_row_tokens_per_s": round(n / last_s, 1),
+        "ratio_over_hf_forward": round(full_s / ours_s, 3),
+        "ratio_over_hf_last_row": round(last_s / ours_s, 3),
+    })
+
+
+if __name__ == "__main__":
+    main()
