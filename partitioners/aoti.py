@@ -8,18 +8,8 @@ from __future__ import annotations
 import platform
 
 import torch
-import torch.fx
-from torch.fx.passes.operator_support import OperatorSupportBase
 
-from kvexport.partitioners.base import Partitioner
-from kvexport.passes.base import Pass
-from kvexport.passes.check_step_width import CheckStepWidthPass
-from kvexport.passes.remove_noops import RemoveNoOpsPass
-
-
-class _EveryOp(OperatorSupportBase):
-    def is_node_supported(self, submodules, node: torch.fx.Node) -> bool:
-        return node.op == "call_function"
+from kvexport.partitioners.portable import PortablePartitioner
 
 
 def compile_target(device: str) -> dict:
@@ -39,17 +29,12 @@ def compile_target(device: str) -> dict:
     return target
 
 
-class AotiPartitioner(Partitioner):
+class AotiPartitioner(PortablePartitioner):
+    """Takes every op, with the portable backend's passes and checks; the
+    compiling happens when the package is written, once constant names are
+    final (exporter/aoti_compile.py)."""
+
     backend_id = "aoti"
 
     def __init__(self, device: str = "cpu"):
         self.device = device
-
-    def edge_transform_passes(self) -> list[Pass]:
-        return [RemoveNoOpsPass()]
-
-    def operator_support(self) -> OperatorSupportBase:
-        return _EveryOp()
-
-    def lowered_checks(self) -> list[Pass]:
-        return [CheckStepWidthPass()]

@@ -74,9 +74,11 @@ class OffgraphKVManager(IOManager):
         others = package.manifest["methods"].get("forward_others")
         self.others_min_tokens = others["inputs"][0]["shape"][1]["min"] if others else None
         package_cells = md["get_offgraph_kv_max_cells"]
-        if max_cells is not None and not self.widest < max_cells <= package_cells:
+        # A smaller pool than the package allows is fine: a step that does not
+        # fit is refused by the capacity check, like any other.
+        if max_cells is not None and not 1 < max_cells <= package_cells:
             raise RuntimeRefusal(
-                f"max_cells={max_cells}: must be above the widest step ({self.widest}) and at most the "
+                f"max_cells={max_cells}: must be at least 2 (one is the scratch cell) and at most the "
                 f"package's get_offgraph_kv_max_cells ({package_cells})"
             )
         geometry = mf.CacheGeometry(tuple(md["get_kv_heads"]), tuple(md["get_head_dims"]), tuple(md["get_windows"]))
