@@ -62,6 +62,7 @@ def _progress(message: str) -> None:
 @click.argument("model", required=False)
 @click.option("-o", "--output", type=click.Path(path_type=str), help="Package directory to write.")
 @click.option("--use-offgraph-kv-cache", is_flag=True, help="Export the offgraph_kv batching contract.")
+@click.option("--contract", type=click.Choice(["offgraph_kv", "ingraph_kv", "hf_static"]), help="Without the flag: ingraph_kv (the default) or hf_static.")
 @click.option("--forward-sizes", help="Static forward widths, e.g. 1,2,4,8,16,32,64 (the default).")
 @click.option("--max-step-tokens", type=int, help="Widest step forward_others takes (default 4096).")
 @click.option("--max-cells", type=int, help="Cell pool size get_offgraph_kv_max_cells (default 65536).")

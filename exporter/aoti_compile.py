@@ -33,6 +33,7 @@ class CompileJob:
     inputs: list  # the manifest's input specs: example shapes come from them
     output: Path
     device: str = "cpu"
+    state: tuple = ()  # runtime-owned buffers (ingraph_kv's cache): zeros stand in while compiling
 
 
 def compile_one(job: CompileJob) -> tuple[str, float]:
@@ -54,6 +55,8 @@ def compile_one(job: CompileJob) -> tuple[str, float]:
     state = {k: torch.nn.Parameter(tensor(k), requires_grad=False) for k in job.bindings["parameters"]}
     state.update({k: tensor(k) for k in job.bindings["buffers"]})
     constants = {k: tensor(k) for k in job.bindings["constants"]}
+    for spec in job.state:
+        constants[spec["name"]] = torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=job.device)
     program = torch_compat.graph_from_json(gzip.decompress(job.graph.read_bytes()), state, constants)
     program.example_inputs = (tuple(t.to(job.device) for t in example_inputs(job.inputs)), {})
     torch._inductor.aoti_compile_and_package(program, package_path=str(job.output), inductor_configs=INDUCTOR_CONFIGS)

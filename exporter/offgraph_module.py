@@ -128,9 +128,9 @@ def layer_windows(config: Any, n_layers: int) -> tuple[int, ...]:
     return (0,) * n_layers
 
 
-class OffgraphForward(nn.Module):
-    """forward(tokens [1, T], input_pos [T], logits_to_keep [K], *pools,
-    cells [T], *masks) -> logits float32 [K, V]"""
+class ContractForward(nn.Module):
+    """The model's decoder, final norm and LM head, with the off-graph
+    attention function; subclasses give the contract's forward signature."""
 
     def __init__(self, causal_lm: nn.Module):
         super().__init__()
@@ -167,6 +167,19 @@ class OffgraphForward(nn.Module):
     def vocab_size(self) -> int:
         return self.lm_head.weight.shape[0]
 
+    def _rows_logits(self, tokens: torch.Tensor, input_pos: torch.Tensor, step: StepState, rows) -> torch.Tensor:
+        hidden = self.decoder(
+            input_ids=tokens, position_ids=input_pos.unsqueeze(0), use_cache=False, **{_STATE_KEY: step}
+        ).last_hidden_state  # [1, T, hidden]
+        selected = rows(hidden[0])  # [K, hidden]
+        logits = self.lm_head(self.final_norm(selected))
+        return self.architecture.finish_logits(self.config, logits).float()  # [K, V]
+
+
+class OffgraphForward(ContractForward):
+    """forward(tokens [1, T], input_pos [T], logits_to_keep [K], *pools,
+    cells [T], *masks) -> logits float32 [K, V]"""
+
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, logits_to_keep: torch.Tensor, *state: torch.Tensor):
         n_pools = 2 * self.geometry.n_layers
         step = StepState(
@@ -175,12 +188,48 @@ class OffgraphForward(nn.Module):
             masks=dict(zip(self.geometry.distinct_windows, state[n_pools + 1 :])),
             windows=self.geometry.windows,
         )
-        hidden = self.decoder(
-            input_ids=tokens, position_ids=input_pos.unsqueeze(0), use_cache=False, **{_STATE_KEY: step}
-        ).last_hidden_state  # [1, T, hidden]
-        rows = hidden[0].index_select(0, logits_to_keep)  # [K, hidden]
-        logits = self.lm_head(self.final_norm(rows))
-        return self.architecture.finish_logits(self.config, logits).float()  # [K, V]
+        return self._rows_logits(tokens, input_pos, step, lambda h: h.index_select(0, logits_to_keep))
+
+
+CACHE_BUFFER = "kv_cache"  # ingraph_kv: buffer names kv_cache.<layer>.<k|v>
+
+
+class SingleSequenceForward(ContractForward):
+    """One sequence whose cache holds every position of the context:
+    - ingraph_kv: forward(tokens [1, T], input_pos [T]) -> logits [1, V], the
+      cache in the program as mutable buffers [context, n_kv_heads, head_dim];
+    - hf_static: forward(tokens, input_pos, k0, v0, k1, v1, ...) -> logits
+      [1, V], the cache as inputs in HF's static layout
+      [1, n_kv_heads, max_cache_len, head_dim], updated in place.
+    The mask is built in the graph from positions: token i sees position j
+    iff j <= pos_i (and j > pos_i - w on a window w)."""
+
+    def __init__(self, causal_lm: nn.Module, context: int, cache_dtype: torch.dtype, cache_as_inputs: bool):
+        super().__init__(causal_lm)
+        self.context = context
+        self.cache_as_inputs = cache_as_inputs
+        if not cache_as_inputs:
+            self.kv_cache = nn.Module()
+            for layer, (heads, dim) in enumerate(zip(self.geometry.kv_heads, self.geometry.head_dims)):
+                holder = nn.Module()
+                device = self.lm_head.weight.device
+                holder.register_buffer("k", torch.zeros(context, heads, dim, dtype=cache_dtype, device=device), persistent=False)
+                holder.register_buffer("v", torch.zeros(context, heads, dim, dtype=cache_dtype, device=device), persistent=False)
+                self.kv_cache.add_module(str(layer), holder)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, *caches: torch.Tensor):
+        if self.cache_as_inputs:
+            pools = tuple(c[0].permute(1, 0, 2) for c in caches)  # [1, H_kv, L, D] -> views [L, H_kv, D]
+        else:
+            pools = tuple(t for layer in self.kv_cache.children() for t in (layer.k, layer.v))
+        cell_pos = torch.arange(self.context, device=input_pos.device).unsqueeze(0)  # [1, L]
+        pos = input_pos.unsqueeze(1)  # [T, 1]
+        masks = {}
+        for window in self.geometry.distinct_windows:
+            seen = cell_pos <= pos
+            masks[window] = seen if window == 0 else seen & (cell_pos > pos - window)
+        step = StepState(pools=pools, cells=input_pos, masks=masks, windows=self.geometry.windows)
+        return self._rows_logits(tokens, input_pos, step, lambda h: h[-1:])  # [1, V]
 
 
 class SampleModule(nn.Module):

@@ -28,7 +28,14 @@ from torch import nn
 from torch.export import Dim
 
 from kvexport.exporter.models import LoadedModel, load_model
-from kvexport.exporter.offgraph_module import OffgraphForward, SampleArgmaxModule, SampleModule
+from kvexport.exporter.offgraph_module import (
+    CACHE_BUFFER,
+    ContractForward,
+    OffgraphForward,
+    SampleArgmaxModule,
+    SampleModule,
+    SingleSequenceForward,
+)
 from kvexport.exporter.spec import ExportSpec
 from kvexport.partitioners.base import Partitioner
 from kvexport.exporter.aoti_compile import CompileJob, compile_methods
@@ -39,7 +46,7 @@ from kvexport.passes.check_step_width import STEP_WIDTH_META, USER_INPUTS_META
 from kvexport.passes.reserve_constant_names import ConstantNames, ReserveConstantNamesPass
 from kvexport.runtime import manifest as mf
 from kvexport.runtime import torch_compat
-from kvexport.runtime.errors import ExportError, ModelError
+from kvexport.runtime.errors import ExportError, ModelError, SpecError
 from kvexport.runtime.package import PackageWriter, program_path
 
 log = logging.getLogger(__name__)
@@ -102,7 +109,7 @@ def export_package(
     dump = GraphDump(dump_graphs)
     progress(f"loading {spec.model} ({spec.dtype})")
     loaded = load_model(spec.model, spec.dtype, progress)
-    forward = OffgraphForward(loaded.model.to(spec.device)).eval()
+    forward = build_forward(spec, loaded)
     metadata = contract_metadata(spec, loaded, forward)
     plans = plan_methods(spec, forward, metadata)
 
@@ -207,6 +214,12 @@ def write_package(
             }
             if plan.step_width is not None:
                 entry["step_width"] = plan.step_width
+            if bindings[plan.name]["state"]:
+                constants = programs[plan.name].constants
+                entry["state"] = [
+                    {"name": n, "dtype": str(constants[n].dtype).removeprefix("torch."), "shape": list(constants[n].shape)}
+                    for n in bindings[plan.name]["state"]
+                ]
             methods[plan.name] = entry
         backend = {"id": spec.backend}
         if spec.backend == "aoti":
@@ -214,7 +227,7 @@ def write_package(
             jobs = [
                 CompileJob(plan.name, writer.root / methods[plan.name]["program"], writer.weights_path,
                            bindings[plan.name], aliases, plan.inputs, writer.root / program_path(plan.name, compiled=True),
-                           spec.device)
+                           spec.device, methods[plan.name].get("state", []))
                 for plan in plans
             ]
             compile_methods(jobs, spec.compile_workers, progress)
@@ -227,7 +240,7 @@ def write_package(
         manifest = {
             "format": mf.FORMAT,
             "format_version": mf.FORMAT_VERSION,
-            "contract": {"name": mf.OFFGRAPH_KV, "version": mf.OFFGRAPH_KV_VERSION},
+            "contract": {"name": spec.contract, "version": mf.CONTRACTS[spec.contract]},
             "metadata": metadata,
             "methods": methods,
             "weights": {"file": writer.weights_path.name, "tensors": len(tensors), "aliases": aliases},
@@ -235,7 +248,7 @@ def write_package(
             "tokenizer": tokenizer,
             "provenance": provenance(spec, loaded),
         }
-        mf.require(mf.check_offgraph_manifest({**manifest, "files": {}}), "the exporter built an invalid manifest")
+        mf.require(mf.check_manifest({**manifest, "files": {}}), "the exporter built an invalid manifest")
         weights_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         package_bytes = sum(p.stat().st_size for p in writer.files())
         writer.commit(manifest)
@@ -243,15 +256,29 @@ def write_package(
     return ExportResult(Path(spec.output), [p.name for p in plans], package_bytes, weights_bytes, 0.0)
 
 
-def contract_metadata(spec: ExportSpec, loaded: LoadedModel, forward: OffgraphForward) -> dict[str, Any]:
-    config = loaded.model.config
+def context_len(spec: ExportSpec, config: Any) -> int:
     native = getattr(config, "max_position_embeddings", None)
     if spec.max_context_len and native and spec.max_context_len > native:
         raise ModelError(f"--max-context-len {spec.max_context_len} exceeds the model's native context {native}")
     context = spec.max_context_len or native
     if not context:
         raise ModelError("the model's config has no max_position_embeddings; pass --max-context-len")
-    geometry = forward.geometry
+    return int(context)
+
+
+def build_forward(spec: ExportSpec, loaded: LoadedModel) -> ContractForward:
+    model = loaded.model.to(spec.device)
+    if spec.contract == mf.OFFGRAPH_KV:
+        return OffgraphForward(model).eval()
+    context = context_len(spec, model.config)
+    if spec.max_step_tokens > context:
+        raise SpecError(f"--max-step-tokens {spec.max_step_tokens} exceeds the context of {context}; lower it")
+    dtype = getattr(torch, mf.TORCH_DTYPE_NAMES[spec.dtype])
+    return SingleSequenceForward(model, context, dtype, cache_as_inputs=spec.contract == mf.HF_STATIC).eval()
+
+
+def _bos_eos(loaded: LoadedModel) -> tuple[int | None, list[int]]:
+    config = loaded.model.config
     generation = getattr(loaded.model, "generation_config", None)
     eos = getattr(generation, "eos_token_id", None)
     if eos is None:
@@ -259,8 +286,44 @@ def contract_metadata(spec: ExportSpec, loaded: LoadedModel, forward: OffgraphFo
     bos = getattr(generation, "bos_token_id", None)
     if bos is None:
         bos = getattr(config, "bos_token_id", None)
+    return bos, sorted({eos} if isinstance(eos, int) else set(eos or []))
+
+
+def contract_metadata(spec: ExportSpec, loaded: LoadedModel, forward: ContractForward) -> dict[str, Any]:
+    config = loaded.model.config
+    geometry = forward.geometry
+    bos, eos = _bos_eos(loaded)
+    architecture = (getattr(config, "architectures", None) or [type(loaded.model).__name__])[0]
+    if spec.contract == mf.INGRAPH_KV:
+        return {
+            "get_max_context_len": forward.context,
+            "get_max_seq_len": spec.max_step_tokens,
+            "get_vocab_size": forward.vocab_size,
+            "get_n_layers": geometry.n_layers,
+            "get_bos_id": bos,
+            "get_eos_ids": eos,
+            "use_kv_cache": True,
+            "enable_dynamic_shape": True,
+            "dtype": spec.dtype,
+            "architecture": architecture,
+        }
+    if spec.contract == mf.HF_STATIC:
+        return {
+            "get_max_cache_len": forward.context,
+            "get_max_seq_len": spec.max_step_tokens,
+            "get_vocab_size": forward.vocab_size,
+            "get_n_layers": geometry.n_layers,
+            "get_kv_heads": list(geometry.kv_heads),
+            "get_head_dims": list(geometry.head_dims),
+            "get_windows": list(geometry.windows),
+            "get_bos_id": bos,
+            "get_eos_ids": eos,
+            "dtype": spec.dtype,
+            "architecture": architecture,
+        }
+    context = context_len(spec, config)
     return {
-        "get_max_context_len": int(context),
+        "get_max_context_len": context,
         "get_max_seq_len": spec.max_step_tokens,
         "get_vocab_size": forward.vocab_size,
         "get_logits_to_keep_mode": mf.LOGITS_MODE_SELECTED,
@@ -271,10 +334,10 @@ def contract_metadata(spec: ExportSpec, loaded: LoadedModel, forward: OffgraphFo
         "get_offgraph_kv_max_cells": spec.max_cells,
         "get_min_prefill_chunk": 1,
         "bos_id": bos,
-        "eos_ids": sorted({eos} if isinstance(eos, int) else set(eos or [])),
+        "eos_ids": eos,
         "dtype": spec.dtype,
         "forward_sizes": list(spec.forward_sizes),
-        "architecture": (getattr(config, "architectures", None) or [type(loaded.model).__name__])[0],
+        "architecture": architecture,
     }
 
 
@@ -331,7 +394,30 @@ def _forward_plan(name: str, spec: ExportSpec, forward: OffgraphForward, metadat
     return MethodPlan(name, "forward", forward, example_args, dynamic_shapes, inputs, outputs, mf.PUBLIC_STEP_WIDTH)
 
 
-def plan_methods(spec: ExportSpec, forward: OffgraphForward, metadata: dict) -> list[MethodPlan]:
+def single_sequence_plan(spec: ExportSpec, forward: SingleSequenceForward) -> MethodPlan:
+    geometry = forward.geometry
+    cache_dtype = mf.TORCH_DTYPE_NAMES[spec.dtype]
+    hf_static = forward.cache_as_inputs
+    inputs, outputs = mf.single_sequence_io(
+        forward.vocab_size, spec.max_step_tokens, geometry if hf_static else None, cache_dtype, forward.context
+    )
+    t = min(3, spec.max_step_tokens) if spec.max_step_tokens > 1 else 1
+    T = Dim("T", min=1, max=spec.max_step_tokens) if spec.max_step_tokens > 1 else None
+    caches = [
+        torch.zeros(1, heads, forward.context, dim, dtype=getattr(torch, cache_dtype))
+        for heads, dim in zip(geometry.kv_heads, geometry.head_dims)
+        for _ in ("k", "v")
+    ] if hf_static else []
+    args = (torch.arange(t).unsqueeze(0) % forward.vocab_size, torch.arange(t), *caches)
+    tdim = {0: T} if T is not None else None
+    shapes = ({1: T} if T is not None else None, tdim) + ((tuple(None for _ in caches),) if caches else ())
+    args = tuple(a.to(spec.device) for a in args)
+    return MethodPlan("forward", "forward", forward, args, shapes, inputs, outputs, mf.PUBLIC_STEP_WIDTH)
+
+
+def plan_methods(spec: ExportSpec, forward: ContractForward, metadata: dict) -> list[MethodPlan]:
+    if isinstance(forward, SingleSequenceForward):
+        return [single_sequence_plan(spec, forward)]
     plans = [_forward_plan(f"forward_{n}", spec, forward, metadata, n, n) for n in spec.forward_sizes]
     widest = max(spec.forward_sizes)
     t_dim = mf.dyn("T", widest + 1, spec.max_step_tokens)
@@ -375,6 +461,9 @@ def gather_weights(
     for plan in plans:
         program = programs[plan.name]
         names = torch_compat.placeholder_names(program)
+        # ingraph_kv's cache buffers: the runtime allocates them, the package holds none
+        names["state"] = [n for n in names["constants"] if n.startswith(CACHE_BUFFER + ".")]
+        names["constants"] = [n for n in names["constants"] if n not in names["state"]]
         for kind, source in (("parameters", program.state_dict), ("buffers", program.state_dict), ("constants", program.constants)):
             for name in names[kind]:
                 tensor = source[name]

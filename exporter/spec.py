@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvexport.runtime.errors import SpecError
-from kvexport.runtime.manifest import DTYPES
+from kvexport.runtime.manifest import CONTRACTS, DTYPES, INGRAPH_KV, OFFGRAPH_KV
 
 DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 BACKENDS = ("portable", "aoti")
@@ -23,6 +23,7 @@ class ExportSpec:
     model: str = ""
     output: str = ""
     use_offgraph_kv_cache: bool = False
+    contract: str = ""  # offgraph_kv (with the flag), else ingraph_kv unless hf_static is asked for
     forward_sizes: tuple[int, ...] = DEFAULT_FORWARD_SIZES
     max_step_tokens: int = 4096
     max_cells: int = 65536
@@ -51,6 +52,14 @@ class ExportSpec:
         if not self.output:
             raise SpecError("no output given: pass -o PKG")
         self.forward_sizes = parse_forward_sizes(self.forward_sizes)
+        if self.use_offgraph_kv_cache:
+            if self.contract not in ("", OFFGRAPH_KV):
+                raise SpecError(f"usage: --use-offgraph-kv-cache exports the offgraph_kv contract; drop it to export --contract {self.contract}")
+            self.contract = OFFGRAPH_KV
+        elif not self.contract:
+            self.contract = INGRAPH_KV
+        if self.contract not in CONTRACTS:
+            raise SpecError(f"--contract must be one of {', '.join(CONTRACTS)}, got {self.contract!r}")
         for key in ("max_step_tokens", "max_cells"):
             value = getattr(self, key)
             if not _is_int(value) or value <= 0:
@@ -58,12 +67,12 @@ class ExportSpec:
         if not _is_int(self.max_context_len) or self.max_context_len < 0:
             raise SpecError(f"--max-context-len must be >= 0 (0 keeps the model's), got {self.max_context_len!r}")
         widest = max(self.forward_sizes)
-        if self.max_step_tokens <= widest:
+        if self.contract == OFFGRAPH_KV and self.max_step_tokens <= widest:
             raise SpecError(
                 f"--max-step-tokens {self.max_step_tokens} must be wider than the widest forward size {widest} "
                 f"(forward_others covers {widest + 1}..max-step-tokens)"
             )
-        if self.max_cells <= self.max_step_tokens:
+        if self.contract == OFFGRAPH_KV and self.max_cells <= self.max_step_tokens:
             raise SpecError(
                 f"--max-cells {self.max_cells} must be above --max-step-tokens {self.max_step_tokens} "
                 f"(one cell is the scratch cell padding writes)"
@@ -78,10 +87,6 @@ class ExportSpec:
             raise SpecError("--device cuda needs --backend aoti (the portable backend runs on the CPU)")
         if not _is_int(self.compile_workers) or self.compile_workers < 0:
             raise SpecError(f"--compile-workers must be >= 0 (0: one per core), got {self.compile_workers!r}")
-        if not self.use_offgraph_kv_cache:
-            raise SpecError(
-                "only the off-graph KV contract is implemented so far; pass --use-offgraph-kv-cache"
-            )
         return self
 
 

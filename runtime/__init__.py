@@ -7,11 +7,13 @@
 """
 
 from kvexport.runtime import offgraph as _offgraph  # noqa: F401  (registers offgraph_kv v1)
+from kvexport.runtime import single as _single  # noqa: F401  (registers ingraph_kv v1 and hf_static v1)
 from kvexport.runtime.errors import KvexportError, PackageError, RuntimeRefusal
 from kvexport.runtime.generate import generate
 from kvexport.runtime.loader import IOManager, LoadedPackage, load, register_io_manager, registered_contracts
 from kvexport.runtime.offgraph import OffgraphKVManager, Session, StepEntry
 from kvexport.runtime.sampler import SamplingConfig, sample, sample_argmax
+from kvexport.runtime.single import HFStaticManager, IngraphKVManager, SingleSequenceManager
 
 __all__ = [
     "IOManager",
@@ -23,6 +25,9 @@ __all__ = [
     "SamplingConfig",
     "Session",
     "StepEntry",
+    "HFStaticManager",
+    "IngraphKVManager",
+    "SingleSequenceManager",
     "generate",
     "load",
     "register_io_manager",

@@ -11,6 +11,7 @@ from kvexport.runtime.cell_cache import MAX_SEQUENCES
 from kvexport.runtime.errors import CapacityError, KvexportError
 from kvexport.runtime.offgraph import OffgraphKVManager, StepEntry
 from kvexport.runtime.sampler import SamplingConfig, params_row
+from kvexport.runtime.single import SingleSequenceManager
 
 TokenCallback = Callable[[int, int], None]  # (prompt index, token id)
 
@@ -32,6 +33,8 @@ def generate(
     sampling.validate()
     if max_new_tokens < 0:
         raise KvexportError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    if not isinstance(manager, OffgraphKVManager):
+        return _generate_one_at_a_time(manager, prompts, max_new_tokens, sampling, seed, on_token, stop_at_eos)
     _check_admission(manager, prompts, max_new_tokens)
     outputs: list[list[int]] = [[] for _ in prompts]
     if max_new_tokens == 0:
@@ -87,3 +90,44 @@ def _check_admission(manager: OffgraphKVManager, prompts: Sequence[Sequence[int]
             f"these prompts need up to {needed} cells but {manager.cache.free_cells} are free; run fewer prompts, "
             f"lower --max-new-tokens, or export with a larger --max-cells"
         )
+
+
+def _generate_one_at_a_time(
+    manager: SingleSequenceManager,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    seed: int,
+    on_token: TokenCallback | None,
+    stop_at_eos: bool,
+) -> list[list[int]]:
+    """A single-sequence contract runs its prompts one after another; every
+    prompt is checked against the context before any runs."""
+    if not prompts:
+        raise KvexportError("no prompts to generate for")
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise KvexportError(f"prompt {i} is empty")
+        if len(prompt) + max_new_tokens > manager.context:
+            raise CapacityError(
+                f"prompt {i} has {len(prompt)} tokens; with --max-new-tokens {max_new_tokens} it would need "
+                f"{len(prompt) + max_new_tokens} positions, past the package's context of {manager.context}"
+            )
+    outputs: list[list[int]] = []
+    for i, prompt in enumerate(prompts):
+        manager.reset()
+        generator = torch.Generator().manual_seed(seed + i)
+        out: list[int] = []
+        pending = list(prompt)
+        while len(out) < max_new_tokens:
+            logits = manager.step(pending)
+            params = torch.tensor([params_row(sampling, generator)], dtype=torch.float32)
+            token = int(manager.sample(logits.unsqueeze(0), params)[0])
+            out.append(token)
+            if on_token is not None:
+                on_token(i, token)
+            if stop_at_eos and token in manager.eos_ids:
+                break
+            pending = [token]
+        outputs.append(out)
+    return outputs

@@ -92,6 +92,7 @@ class LoadedPackage:
         self.tensors: dict[str, torch.Tensor] = load_file(reader.weights_path, device=self.device)
         log.debug("loaded %d weight tensors in %.2f s", len(self.tensors), time.perf_counter() - start)
         self.aliases: dict[str, str] = self.manifest.get("weights", {}).get("aliases", {})
+        self.state: dict[str, torch.Tensor] = {}  # runtime-owned tensors a program binds (ingraph_kv's cache)
         self._parameters: dict[str, torch.nn.Parameter] = {}
         self._methods: dict[str, Callable] = {}
 
@@ -113,6 +114,7 @@ class LoadedPackage:
             state = {k: self._parameter(name, k) for k in names["parameters"]}
             state.update({k: self._tensor(name, k) for k in names["buffers"]})
             constants = {k: self._tensor(name, k) for k in names["constants"]}
+            constants.update({k: self._state(name, k) for k in names.get("state", [])})
             program = torch_compat.graph_from_json(self.reader.program_json(name), state, constants)
             module = program.module(check_guards=False)
             # The I/O manager builds every input from the manifest's specs;
@@ -130,12 +132,14 @@ class LoadedPackage:
         start = time.perf_counter()
         runner = torch._inductor.aoti_load_package(str(self.reader.file(entry["compiled"])))
         names = entry["weights"]
-        wanted = names["parameters"] + names["buffers"] + names["constants"]
+        state = set(names.get("state", []))
+        wanted = set(names["parameters"] + names["buffers"] + names["constants"]) | state
         fqns = runner.get_constant_fqns()
-        missing = sorted(set(fqns) - set(wanted))
+        missing = sorted(set(fqns) - wanted)
         if missing:
             raise PackageError(f"methods.{name}.compiled: needs constants the manifest does not bind: {missing[:5]}")
-        runner.load_constants({k: self._tensor(name, k) for k in fqns}, check_full_update=True, user_managed=True)
+        bound = {k: self._state(name, k) if k in state else self._tensor(name, k) for k in fqns}
+        runner.load_constants(bound, check_full_update=True, user_managed=True)
         log.debug("loaded compiled %s in %.2f s", name, time.perf_counter() - start)
         return runner
 
@@ -146,6 +150,11 @@ class LoadedPackage:
         if key not in self._parameters:
             self._parameters[key] = torch.nn.Parameter(self._tensor(method, key), requires_grad=False)
         return self._parameters[key]
+
+    def _state(self, method: str, key: str) -> torch.Tensor:
+        if key not in self.state:
+            raise PackageError(f"methods.{method}: runtime state {key!r} is not bound (the I/O manager allocates it)")
+        return self.state[key]
 
     def _tensor(self, method: str, key: str) -> torch.Tensor:
         key = self.aliases.get(key, key)

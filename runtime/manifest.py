@@ -19,6 +19,11 @@ FORMAT = "kvexport.package"
 FORMAT_VERSION = 1
 OFFGRAPH_KV = "offgraph_kv"
 OFFGRAPH_KV_VERSION = 1
+INGRAPH_KV = "ingraph_kv"  # docs/contracts/ingraph_kv-v1.md
+INGRAPH_KV_VERSION = 1
+HF_STATIC = "hf_static"  # docs/contracts/hf_static-v1.md
+HF_STATIC_VERSION = 1
+CONTRACTS = {OFFGRAPH_KV: OFFGRAPH_KV_VERSION, INGRAPH_KV: INGRAPH_KV_VERSION, HF_STATIC: HF_STATIC_VERSION}
 LOGITS_MODE_SELECTED = 2
 PUBLIC_STEP_WIDTH = "1:0"  # input_pos, dim 0
 STATIC_FORWARD = re.compile(r"forward_([1-9][0-9]*)")
@@ -74,6 +79,20 @@ def forward_io(
         inputs.append(tensor_spec(f"kv.mask.w{window}", "bool", [tokens_dim, cells], "kv_mask", window=window))
     outputs = [tensor_spec("logits", "float32", [rows_dim, vocab_size], "logits")]
     return inputs, outputs
+
+
+def single_sequence_io(
+    vocab_size: int, max_step: int, geometry: CacheGeometry | None = None, cache_dtype: str = "", cache_len: int = 0
+) -> tuple[list[dict], list[dict]]:
+    """ingraph_kv's forward (geometry None: the cache is inside the program)
+    or hf_static's (the cache as inputs, HF's static layout)."""
+    t = dyn("T", 1, max_step)
+    inputs = [tensor_spec("tokens", "int64", [1, t], "tokens"), tensor_spec("input_pos", "int64", [t], "input_pos")]
+    if geometry is not None:
+        for layer, (heads, dim) in enumerate(zip(geometry.kv_heads, geometry.head_dims)):
+            for kind in ("k", "v"):
+                inputs.append(tensor_spec(f"kv.{layer}.{kind}", cache_dtype, [1, heads, cache_len, dim], f"kv_{kind}", layer=layer))
+    return inputs, [tensor_spec("logits", "float32", [1, vocab_size], "logits")]
 
 
 def sampler_io(vocab_size: int, with_params: bool) -> tuple[list[dict], list[dict]]:
@@ -279,6 +298,79 @@ def format_shape(shape: Any) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
+_POSITIVE = ("positive int", lambda v: _is_int(v) and v > 0)
+_SINGLE_COMMON: dict[str, tuple[str, Any]] = {
+    "get_max_seq_len": _POSITIVE,
+    "get_vocab_size": _POSITIVE,
+    "get_n_layers": _POSITIVE,
+    "get_bos_id": ("int or null", lambda v: v is None or _is_int(v)),
+    "get_eos_ids": ("list of ints", _int_list),
+    "dtype": (f"one of {', '.join(DTYPES)}", lambda v: v in DTYPES),
+}
+_INGRAPH_METADATA = {
+    **_SINGLE_COMMON,
+    "get_max_context_len": _POSITIVE,
+    "use_kv_cache": ("true", lambda v: v is True),
+    "enable_dynamic_shape": ("true", lambda v: v is True),
+}
+_HF_STATIC_METADATA = {
+    **_SINGLE_COMMON,
+    "get_max_cache_len": _POSITIVE,
+    "get_kv_heads": ("list of positive ints", lambda v: _int_list(v) and all(x > 0 for x in v)),
+    "get_head_dims": ("list of positive ints", lambda v: _int_list(v) and all(x > 0 for x in v)),
+    "get_windows": ("list of non-negative ints", lambda v: _int_list(v) and all(x >= 0 for x in v)),
+}
+
+
+def _check_types(metadata: dict, table: dict) -> list[str]:
+    problems = []
+    for key, (kind, ok) in table.items():
+        if key not in metadata:
+            problems.append(f"metadata.{key}: missing")
+        elif not ok(metadata[key]):
+            problems.append(f"metadata.{key}: expected {kind}, found {metadata[key]!r}")
+    return problems
+
+
+def _check_contract(manifest: Any, name: str) -> list[str]:
+    problems = check_envelope(manifest)
+    if problems:
+        return problems
+    contract = manifest["contract"]
+    if contract["name"] != name:
+        return [f"contract.name: expected {name!r}, found {contract['name']!r}"]
+    if contract["version"] != CONTRACTS[name]:
+        return [f"contract.version: {name} version {contract['version']} is not supported (this kvexport reads {CONTRACTS[name]})"]
+    return []
+
+
+def check_single_sequence_manifest(manifest: Any, name: str) -> list[str]:
+    """ingraph_kv v1 or hf_static v1."""
+    problems = _check_contract(manifest, name)
+    if problems:
+        return problems
+    md = manifest["metadata"]
+    problems = _check_types(md, _INGRAPH_METADATA if name == INGRAPH_KV else _HF_STATIC_METADATA)
+    if problems:
+        return problems
+    context_key = "get_max_context_len" if name == INGRAPH_KV else "get_max_cache_len"
+    if md["get_max_seq_len"] > md[context_key]:
+        problems.append(f"metadata.get_max_seq_len: {md['get_max_seq_len']} exceeds {context_key}={md[context_key]}")
+    geometry = None
+    if name == HF_STATIC:
+        for key in ("get_kv_heads", "get_head_dims", "get_windows"):
+            if len(md[key]) != md["get_n_layers"]:
+                problems.append(f"metadata.{key}: has {len(md[key])} entries, get_n_layers is {md['get_n_layers']}")
+        if problems:
+            return problems
+        geometry = CacheGeometry(tuple(md["get_kv_heads"]), tuple(md["get_head_dims"]), tuple(md["get_windows"]))
+    if set(manifest["methods"]) != {"forward"}:
+        problems.append(f"methods: {name} has exactly one method, forward; found {sorted(manifest['methods'])}")
+        return problems
+    expected = single_sequence_io(md["get_vocab_size"], md["get_max_seq_len"], geometry, TORCH_DTYPE_NAMES[md["dtype"]], md.get("get_max_cache_len", 0))
+    return problems + _check_method("forward", manifest["methods"]["forward"], "forward", expected) + check_backend(manifest)
+
+
 BACKENDS = ("portable", "aoti")
 
 
@@ -301,18 +393,26 @@ def check_backend(manifest: dict) -> list[str]:
 
 
 def check_offgraph_manifest(manifest: Any) -> list[str]:
-    problems = check_envelope(manifest)
+    problems = _check_contract(manifest, OFFGRAPH_KV)
     if problems:
         return problems
-    contract = manifest["contract"]
-    if contract["name"] != OFFGRAPH_KV:
-        return [f"contract.name: expected {OFFGRAPH_KV!r}, found {contract['name']!r}"]
-    if contract["version"] != OFFGRAPH_KV_VERSION:
-        return [f"contract.version: {OFFGRAPH_KV} version {contract['version']} is not supported (this kvexport reads {OFFGRAPH_KV_VERSION})"]
     problems = check_offgraph_metadata(manifest["metadata"])
     if problems:
         return problems
     return check_offgraph_methods(manifest) + check_backend(manifest)
+
+
+def check_manifest(manifest: Any) -> list[str]:
+    """The checks of whichever contract the manifest declares."""
+    problems = check_envelope(manifest)
+    if problems:
+        return problems
+    name = manifest["contract"]["name"]
+    if name == OFFGRAPH_KV:
+        return check_offgraph_manifest(manifest)
+    if name in (INGRAPH_KV, HF_STATIC):
+        return check_single_sequence_manifest(manifest, name)
+    return [f"contract.name: unknown contract {name!r} (known: {', '.join(CONTRACTS)})"]
 
 
 def require(problems: list[str], what: str) -> None:

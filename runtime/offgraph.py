@@ -84,6 +84,7 @@ class OffgraphKVManager(IOManager):
         geometry = mf.CacheGeometry(tuple(md["get_kv_heads"]), tuple(md["get_head_dims"]), tuple(md["get_windows"]))
         dtype = getattr(torch, mf.TORCH_DTYPE_NAMES[md["dtype"]])
         self.device = torch.device(package.device)
+        self.allocator = allocator
         self.cache = CellCache(
             geometry, max_cells or package_cells, dtype, md["get_max_context_len"], device=self.device, allocator=allocator
         )
@@ -190,18 +191,24 @@ class OffgraphKVManager(IOManager):
             step_cells = _pad(cells[sl], pad, SCRATCH_CELL)
             step_bits = _pad(bits[sl], pad, 0)
             masks = self.cache.masks(step_bits, step_pos, n_cells)
-            on = self.device
             logits = self.package.method(piece.method)(
-                step_tokens.unsqueeze(0).to(on),
-                step_pos.to(on),
-                torch.tensor(keep, dtype=torch.int64, device=on),
+                self._io(step_tokens.unsqueeze(0)),
+                self._io(step_pos),
+                self._io(torch.tensor(keep, dtype=torch.int64)),
                 *pools,
-                step_cells.to(on),
-                *(mask.to(on) for mask in masks),
+                self._io(step_cells),
+                *(self._io(mask) for mask in masks),
             )
             for i, row in enumerate(rows):
                 out[piece.start + row] = logits[i]
         return out
+
+    def _io(self, values: torch.Tensor) -> torch.Tensor:
+        """An input buffer from the allocator (on the package's device),
+        holding `values`."""
+        buffer = self.allocator(tuple(values.shape), values.dtype, self.device)
+        buffer.copy_(values)
+        return buffer
 
     # ------------------------------------------------------------- sampling
     @torch.inference_mode()
@@ -211,9 +218,9 @@ class OffgraphKVManager(IOManager):
         greedy = bool((params[:, 0] <= 0).all())
         params = params.to(logits.device)
         if on_device and greedy and self.package.has_method("sample_argmax"):
-            return self.package.method("sample_argmax")(logits)
+            return self.package.method("sample_argmax")(self._io(logits))
         if on_device and self.package.has_method("sample"):
-            return self.package.method("sample")(logits, params)
+            return self.package.method("sample")(self._io(logits), self._io(params))
         return sample_argmax(logits) if greedy else sample(logits, params)
 
 

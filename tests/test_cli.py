@@ -90,8 +90,10 @@ def test_export_errors(tmp_path, args, fragments):
     assert not (tmp_path / "pkg").exists()
 
 
-def test_in_graph_contract_not_yet_available(tmp_path):
-    expect_error(run("export", "tiny-llama", "-o", str(tmp_path / "pkg")), "--use-offgraph-kv-cache")
+def test_without_the_flag_the_in_graph_contract(tmp_path):
+    result = run("export", "tiny-llama", "-o", str(tmp_path / "pkg"), "--max-step-tokens", "8", "--max-context-len", "32")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "pkg" / "manifest.json").read_text())["contract"]["name"] == "ingraph_kv"
 
 
 def test_debug_shows_the_traceback(tmp_path):

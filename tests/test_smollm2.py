@@ -66,3 +66,14 @@ def test_cli_answers_a_question(smollm2):
     )
     assert result.exit_code == 0, result.output
     assert "Paris" in result.stdout
+
+
+@pytest.mark.parametrize("contract", ["ingraph_kv", "hf_static"])
+def test_single_sequence_contracts(tmp_path, hf, contract):
+    out = tmp_path / "pkg"
+    args = ["export", "smollm2-135m", "-o", str(out), "--contract", contract, "--max-step-tokens", "32", "--max-context-len", "256"]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    runtime = load(out)
+    prompt = runtime.package.tokenizer().encode(QUESTIONS[1])
+    assert generate(runtime, [prompt], 24) == [hf_greedy(hf, prompt, 24)]

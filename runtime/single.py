@@ -1,0 +1,107 @@
+"""I/O managers of the single-sequence contracts: `ingraph_kv` v1 (the cache
+lives in the program as buffers the runtime allocates and binds) and
+`hf_static` v1 (the cache is program input, HF's static layout, updated in
+place). One sequence, positions 0.. in order; `reset` starts over."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from kvexport.runtime import manifest as mf
+from kvexport.runtime.cell_cache import Allocator, zeros_allocator
+from kvexport.runtime.errors import CapacityError, RuntimeRefusal
+from kvexport.runtime.loader import IOManager, LoadedPackage, register_io_manager
+from kvexport.runtime.sampler import sample, sample_argmax
+
+
+class SingleSequenceManager(IOManager):
+    context_key = ""
+
+    def __init__(self, package: LoadedPackage, allocator: Allocator = zeros_allocator, **options: Any):
+        super().__init__(package)
+        md = package.metadata
+        self.vocab_size: int = md["get_vocab_size"]
+        self.eos_ids = frozenset(md["get_eos_ids"])
+        self.max_step: int = md["get_max_seq_len"]
+        self.context: int = md[self.context_key]
+        self.allocator = allocator
+        self.device = torch.device(package.device)
+        self.position = 0
+        self.caches = self._allocate_caches()
+
+    def _allocate_caches(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _io(self, values: torch.Tensor) -> torch.Tensor:
+        """An input buffer from the allocator, holding `values`."""
+        buffer = self.allocator(tuple(values.shape), values.dtype, self.device)
+        buffer.copy_(values)
+        return buffer
+
+    def reset(self) -> None:
+        """Starts a new sequence (old cache entries are masked by position)."""
+        self.position = 0
+
+    def check(self, tokens: Sequence[int]) -> None:
+        """Refuses, before anything runs, what the context cannot hold."""
+        if not tokens:
+            raise RuntimeRefusal("a step needs at least one token")
+        bad = [t for t in tokens if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
+        if bad:
+            raise RuntimeRefusal(f"token ids {bad[:5]} are outside the vocabulary 0..{self.vocab_size - 1}")
+        if self.position + len(tokens) > self.context:
+            raise CapacityError(
+                f"the sequence would reach {self.position + len(tokens)} tokens, past the context of {self.context}"
+            )
+
+    @torch.inference_mode()
+    def step(self, tokens: Sequence[int]) -> torch.Tensor:
+        """Feeds tokens (in chunks of at most get_max_seq_len); returns the
+        last token's logits [V]."""
+        self.check(tokens)
+        forward = self.package.method("forward")
+        logits = None
+        for start in range(0, len(tokens), self.max_step):
+            chunk = list(tokens[start : start + self.max_step])
+            positions = torch.arange(self.position, self.position + len(chunk))
+            logits = forward(self._io(torch.tensor([chunk])), self._io(positions), *self.caches)
+            self.position += len(chunk)
+        return logits[0]
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, params: torch.Tensor, on_device: bool = True) -> torch.Tensor:
+        params = params.to(logits.device)
+        return sample_argmax(logits) if bool((params[:, 0] <= 0).all()) else sample(logits, params)
+
+
+@register_io_manager(mf.INGRAPH_KV, mf.INGRAPH_KV_VERSION)
+class IngraphKVManager(SingleSequenceManager):
+    context_key = "get_max_context_len"
+
+    @staticmethod
+    def check_manifest(manifest: dict) -> list[str]:
+        return mf.check_single_sequence_manifest(manifest, mf.INGRAPH_KV)
+
+    def _allocate_caches(self) -> list[torch.Tensor]:
+        # the program's cache buffers: bound once, so no per-call inputs
+        state = {}
+        for spec in self.package.manifest["methods"]["forward"].get("state", []):
+            state[spec["name"]] = self.allocator(tuple(spec["shape"]), getattr(torch, spec["dtype"]), self.device)
+        self.package.state.update(state)
+        self.state_buffers = list(state.values())
+        return []
+
+
+@register_io_manager(mf.HF_STATIC, mf.HF_STATIC_VERSION)
+class HFStaticManager(SingleSequenceManager):
+    context_key = "get_max_cache_len"
+
+    @staticmethod
+    def check_manifest(manifest: dict) -> list[str]:
+        return mf.check_single_sequence_manifest(manifest, mf.HF_STATIC)
+
+    def _allocate_caches(self) -> list[torch.Tensor]:
+        specs = [s for s in self.package.manifest["methods"]["forward"]["inputs"] if s["role"] in ("kv_k", "kv_v")]
+        return [self.allocator(tuple(s["shape"]), getattr(torch, s["dtype"]), self.device) for s in specs]
