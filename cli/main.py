@@ -197,7 +197,8 @@ def generate(
 
     if not prompts and not prompt_ids:
         raise KvexportError("nothing to generate for: pass --prompt TEXT or --prompt-ids 1,2,3")
-    runtime = load(package, max_cells=max_cells)
+    options = {"max_cells": max_cells} if max_cells is not None else {}
+    runtime = load(package, **options)
     text = runtime.package.tokenizer() if prompts or runtime.package.manifest.get("tokenizer") else None
     ids = [text.encode(p, chat=not raw) for p in prompts] + [_parse_ids(p) for p in prompt_ids]
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)

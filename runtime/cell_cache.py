@@ -26,6 +26,12 @@ SCRATCH_CELL = 0
 Allocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 
 
+def _position(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RuntimeRefusal(f"{what}: a position is an int, got {value!r}")
+    return value
+
+
 def zeros_allocator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -94,7 +100,7 @@ class CellCache:
         """A new sequence owning src's cells below position `upto` (default:
         all of them); no K/V is copied."""
         self._check_live(src)
-        upto = self.next_pos[src] if upto is None else upto
+        upto = self.next_pos[src] if upto is None else _position(upto, "clone upto")
         if not 0 <= upto <= self.next_pos[src]:
             raise RuntimeRefusal(f"clone upto={upto} is outside sequence {src}'s 0..{self.next_pos[src]}")
         seq = self.new_sequence()
@@ -112,6 +118,7 @@ class CellCache:
     def rewind(self, seq: int, pos: int) -> None:
         """Keeps only positions below pos."""
         self._check_live(seq)
+        pos = _position(pos, "rewind")
         if not 0 <= pos <= self.next_pos[seq]:
             raise RuntimeRefusal(f"rewind to {pos} is outside sequence {seq}'s 0..{self.next_pos[seq]}")
         dropped = ((self.owners & sequence_bit(seq)) != 0) & (self.positions >= pos)

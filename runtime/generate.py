@@ -39,11 +39,12 @@ def generate(
     outputs: list[list[int]] = [[] for _ in prompts]
     if max_new_tokens == 0:
         return outputs
-    sessions = [manager.new_session() for _ in prompts]
+    sessions = []
     generators = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
     pending = [list(p) for p in prompts]
     active = list(range(len(prompts)))
     try:
+        sessions = [manager.new_session() for _ in prompts]
         while active:
             logits = manager.step([StepEntry(sessions[i], pending[i], True) for i in active])
             params = torch.tensor([params_row(sampling, generators[i]) for i in active], dtype=torch.float32)
@@ -60,16 +61,20 @@ def generate(
                     still.append(i)
             active = still
     finally:
-        for i in active:
-            manager.release(sessions[i])
+        for session in sessions:
+            if session.live:
+                manager.release(session)
     return outputs
 
 
 def _check_admission(manager: OffgraphKVManager, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
     if not prompts:
         raise KvexportError("no prompts to generate for")
-    if len(prompts) > MAX_SEQUENCES:
-        raise CapacityError(f"{len(prompts)} prompts, but at most {MAX_SEQUENCES} sessions run at once")
+    free_sequences = MAX_SEQUENCES - len(manager.cache.next_pos)
+    if len(prompts) > free_sequences:
+        raise CapacityError(
+            f"{len(prompts)} prompts, but only {free_sequences} of {MAX_SEQUENCES} sessions are free; release some or run fewer"
+        )
     context = manager.cache.max_context_len
     needed = 0
     for i, prompt in enumerate(prompts):

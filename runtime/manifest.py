@@ -125,7 +125,6 @@ _OFFGRAPH_METADATA_TYPES: dict[str, tuple[str, Any]] = {
     "get_head_dims": ("list of positive ints", lambda v: _int_list(v) and all(x > 0 for x in v)),
     "get_windows": ("list of non-negative ints", lambda v: _int_list(v) and all(x >= 0 for x in v)),
     "get_offgraph_kv_max_cells": ("positive int", lambda v: _is_int(v) and v > 0),
-    "get_min_prefill_chunk": ("positive int", lambda v: _is_int(v) and v > 0),
     "bos_id": ("int or null", lambda v: v is None or _is_int(v)),
     "eos_ids": ("list of ints", _int_list),
     "dtype": (f"one of {', '.join(DTYPES)}", lambda v: v in DTYPES),
@@ -153,12 +152,10 @@ def check_envelope(manifest: Any) -> list[str]:
 
 
 def check_offgraph_metadata(metadata: dict) -> list[str]:
-    problems = []
-    for key, (kind, ok) in _OFFGRAPH_METADATA_TYPES.items():
-        if key not in metadata:
-            problems.append(f"metadata.{key}: missing")
-        elif not ok(metadata[key]):
-            problems.append(f"metadata.{key}: expected {kind}, found {metadata[key]!r}")
+    problems = _check_types(metadata, _OFFGRAPH_METADATA_TYPES)
+    chunk = metadata.get("get_min_prefill_chunk", 1)  # optional, default 1
+    if not (_is_int(chunk) and chunk > 0):
+        problems.append(f"metadata.get_min_prefill_chunk: expected positive int, found {chunk!r}")
     if problems:
         return problems
     n = metadata["get_n_caches"]
@@ -179,8 +176,8 @@ def check_offgraph_metadata(metadata: dict) -> list[str]:
             f"metadata.get_offgraph_kv_max_cells: {metadata['get_offgraph_kv_max_cells']} must be above the widest "
             f"step get_max_seq_len={max_seq}"
         )
-    if metadata["get_min_prefill_chunk"] > max_seq:
-        problems.append(f"metadata.get_min_prefill_chunk: {metadata['get_min_prefill_chunk']} exceeds get_max_seq_len={max_seq}")
+    if chunk > max_seq:
+        problems.append(f"metadata.get_min_prefill_chunk: {chunk} exceeds get_max_seq_len={max_seq}")
     return problems
 
 
@@ -244,11 +241,16 @@ def check_offgraph_methods(manifest: dict) -> list[str]:
             else:
                 if t_dim["max"] <= widest:
                     problems.append(f"methods.forward_others: T up to {t_dim['max']} is not wider than forward_{widest}")
+                if t_dim["min"] > widest + 1:
+                    problems.append(
+                        f"methods.forward_others: T from {t_dim['min']} leaves widths {widest + 1}..{t_dim['min'] - 1} "
+                        f"that no method takes"
+                    )
                 if t_dim["max"] != metadata["get_max_seq_len"]:
                     problems.append(
                         f"metadata.get_max_seq_len: {metadata['get_max_seq_len']} but forward_others takes up to {t_dim['max']}"
                     )
-                expected_k = dyn("K", metadata["get_min_prefill_chunk"], t_dim["max"])
+                expected_k = dyn("K", metadata.get("get_min_prefill_chunk", 1), t_dim["max"])
                 expected = forward_io(geometry, cache_dtype, vocab, max_cells, t_dim, expected_k)
                 problems += _check_method("forward_others", entry, "forward", expected)
     elif static and metadata["get_max_seq_len"] != widest:

@@ -6,6 +6,7 @@ each session's selected logits."""
 from __future__ import annotations
 
 import bisect
+import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -13,7 +14,7 @@ import torch
 
 from kvexport.runtime import manifest as mf
 from kvexport.runtime.cell_cache import SCRATCH_CELL, Allocator, CellCache, sequence_bit, zeros_allocator
-from kvexport.runtime.errors import RuntimeRefusal
+from kvexport.runtime.errors import PackageError, RuntimeRefusal
 from kvexport.runtime.loader import IOManager, LoadedPackage, register_io_manager
 from kvexport.runtime.sampler import sample, sample_argmax
 
@@ -70,7 +71,7 @@ class OffgraphKVManager(IOManager):
         self.eos_ids: frozenset[int] = frozenset(md["eos_ids"])
         self.static_sizes = sorted(md["forward_sizes"])
         self.widest: int = md["get_max_seq_len"]
-        self.min_rows_others: int = md["get_min_prefill_chunk"]
+        self.min_rows_others: int = md.get("get_min_prefill_chunk", 1)
         others = package.manifest["methods"].get("forward_others")
         self.others_min_tokens = others["inputs"][0]["shape"][1]["min"] if others else None
         package_cells = md["get_offgraph_kv_max_cells"]
@@ -122,9 +123,10 @@ class OffgraphKVManager(IOManager):
             if i < len(self.static_sizes):
                 n = self.static_sizes[i]
                 slices.append(_Slice(f"forward_{n}", start, end, n, n))
-            else:
-                assert self.others_min_tokens is not None and width >= self.others_min_tokens
+            elif self.others_min_tokens is not None and width >= self.others_min_tokens:
                 slices.append(_Slice("forward_others", start, end, width, 0))
+            else:  # validation refuses such packages; a hand-made one may still get here
+                raise PackageError(f"no method takes a step of {width} tokens")
         return slices
 
     def _validate(self, entries: Sequence[StepEntry]) -> dict[int, int]:
@@ -137,9 +139,7 @@ class OffgraphKVManager(IOManager):
                 raise RuntimeRefusal(f"{entry.session!r} appears twice in one step")
             if len(entry.tokens) == 0:
                 raise RuntimeRefusal(f"{entry.session!r}: a step entry needs at least one token")
-            bad = [t for t in entry.tokens if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-            if bad:
-                raise RuntimeRefusal(f"{entry.session!r}: token ids {bad[:5]} are outside the vocabulary 0..{self.vocab_size - 1}")
+            check_token_ids(entry.tokens, self.vocab_size, repr(entry.session))
             counts[entry.session.seq] = len(entry.tokens)
         self.cache.check_step(counts)
         return counts
@@ -153,7 +153,7 @@ class OffgraphKVManager(IOManager):
         seqs, token_ids, selected = [], [], []
         for entry in entries:
             seqs += [entry.session.seq] * len(entry.tokens)
-            token_ids += list(entry.tokens)
+            token_ids += [operator.index(t) for t in entry.tokens]
             selected.append(len(token_ids) - 1 if entry.wants_logits else None)
         saved_next = dict(self.cache.next_pos)
         cells, positions = self.cache.place(seqs)
@@ -222,6 +222,21 @@ class OffgraphKVManager(IOManager):
         if on_device and self.package.has_method("sample"):
             return self.package.method("sample")(self._io(logits), self._io(params))
         return sample_argmax(logits) if greedy else sample(logits, params)
+
+
+def check_token_ids(tokens: Sequence[Any], vocab_size: int, who: str) -> None:
+    """Token ids are integers (Python, numpy or 0-d tensors) in the vocabulary."""
+    bad_type = []
+    for t in tokens:
+        try:
+            operator.index(t)
+        except TypeError:
+            bad_type.append(t)
+    if bad_type:
+        raise RuntimeRefusal(f"{who}: token ids must be integers, got {bad_type[:3]!r}")
+    bad = [int(t) for t in tokens if not 0 <= operator.index(t) < vocab_size]
+    if bad:
+        raise RuntimeRefusal(f"{who}: token ids {bad[:5]} are outside the vocabulary 0..{vocab_size - 1}")
 
 
 def _pad(values: torch.Tensor, n: int, fill: int) -> torch.Tensor:

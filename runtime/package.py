@@ -53,6 +53,10 @@ class PackageWriter:
         self.target = Path(target).absolute()
         if self.target.exists() and not overwrite:
             raise ExportError(f"{self.target} already exists; remove it or pass --overwrite")
+        if self.target.exists() and not _replaceable(self.target):
+            raise ExportError(
+                f"{self.target} is not a kvexport package (no kvexport manifest.json); --overwrite only replaces packages"
+            )
         self.target.parent.mkdir(parents=True, exist_ok=True)
         self.root = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.partial-", dir=self.target.parent))
         (self.root / PROGRAMS_DIR).mkdir()
@@ -97,10 +101,25 @@ class PackageWriter:
         if self.target.exists():
             backup = self.target.with_name(f".{self.target.name}.old-{os.getpid()}")
             os.rename(self.target, backup)
-        os.rename(self.root, self.target)
+        try:
+            os.rename(self.root, self.target)
+        except BaseException:
+            if backup is not None:
+                os.rename(backup, self.target)  # put the old package back
+            raise
         self.committed = True
         if backup is not None:
             shutil.rmtree(backup, ignore_errors=True)
+
+
+def _replaceable(path: Path) -> bool:
+    """An empty directory, or a kvexport package."""
+    if path.is_dir() and not any(path.iterdir()):
+        return True
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("format") == "kvexport.package"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _apply_umask(root: Path) -> None:
@@ -131,12 +150,21 @@ class PackageReader:
     def file(self, rel: str) -> Path:
         return self.path / rel
 
+    def referenced_files(self) -> list[str]:
+        """Every file the manifest points at (weights, programs, compiled)."""
+        refs = [self.manifest.get("weights", {}).get("file", WEIGHTS)]
+        for entry in self.manifest.get("methods", {}).values():
+            if isinstance(entry, dict):
+                refs += [entry[k] for k in ("program", "compiled") if isinstance(entry.get(k), str)]
+        return refs
+
     def verify_checksums(self, only: list[str] | None = None) -> list[str]:
-        """Compares files against the manifest; returns the mismatches."""
+        """Compares files against the manifest; returns the mismatches. A
+        file the manifest points at must be listed (and so checked)."""
         files = self.manifest.get("files")
         if not isinstance(files, dict):
             return ["files: missing from the manifest"]
-        problems = []
+        problems = [f"files.{rel}: the manifest uses it but lists no checksum for it" for rel in self.referenced_files() if rel not in files]
         for rel, entry in sorted(files.items()):
             if only is not None and rel not in only:
                 continue

@@ -13,6 +13,7 @@ filter removed.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,8 @@ class SamplingConfig:
         return self.temperature <= 0
 
     def validate(self) -> None:
+        if not math.isfinite(self.temperature):
+            raise KvexportError(f"--temperature must be a finite number, got {self.temperature}")
         if self.top_k < 0:
             raise KvexportError(f"--top-k must be >= 0 (0 turns it off), got {self.top_k}")
         if not 0 < self.top_p <= 1:

@@ -13,6 +13,7 @@ from kvexport.runtime import manifest as mf
 from kvexport.runtime.cell_cache import Allocator, zeros_allocator
 from kvexport.runtime.errors import CapacityError, RuntimeRefusal
 from kvexport.runtime.loader import IOManager, LoadedPackage, register_io_manager
+from kvexport.runtime.offgraph import check_token_ids
 from kvexport.runtime.sampler import sample, sample_argmax
 
 
@@ -21,6 +22,9 @@ class SingleSequenceManager(IOManager):
 
     def __init__(self, package: LoadedPackage, allocator: Allocator = zeros_allocator, **options: Any):
         super().__init__(package)
+        unknown = sorted(k for k, v in options.items() if v is not None)
+        if unknown:
+            raise RuntimeRefusal(f"{package.manifest['contract']['name']} runtimes take no {', '.join(unknown)} option")
         md = package.metadata
         self.vocab_size: int = md["get_vocab_size"]
         self.eos_ids = frozenset(md["get_eos_ids"])
@@ -48,9 +52,7 @@ class SingleSequenceManager(IOManager):
         """Refuses, before anything runs, what the context cannot hold."""
         if not tokens:
             raise RuntimeRefusal("a step needs at least one token")
-        bad = [t for t in tokens if not (isinstance(t, int) and 0 <= t < self.vocab_size)]
-        if bad:
-            raise RuntimeRefusal(f"token ids {bad[:5]} are outside the vocabulary 0..{self.vocab_size - 1}")
+        check_token_ids(tokens, self.vocab_size, "the sequence")
         if self.position + len(tokens) > self.context:
             raise CapacityError(
                 f"the sequence would reach {self.position + len(tokens)} tokens, past the context of {self.context}"
@@ -63,11 +65,16 @@ class SingleSequenceManager(IOManager):
         self.check(tokens)
         forward = self.package.method("forward")
         logits = None
-        for start in range(0, len(tokens), self.max_step):
-            chunk = list(tokens[start : start + self.max_step])
-            positions = torch.arange(self.position, self.position + len(chunk))
-            logits = forward(self._io(torch.tensor([chunk])), self._io(positions), *self.caches)
-            self.position += len(chunk)
+        start_position = self.position
+        try:
+            for start in range(0, len(tokens), self.max_step):
+                chunk = [int(t) for t in tokens[start : start + self.max_step]]
+                positions = torch.arange(self.position, self.position + len(chunk))
+                logits = forward(self._io(torch.tensor([chunk])), self._io(positions), *self.caches)
+                self.position += len(chunk)
+        except BaseException:
+            self.position = start_position  # what was written past it is masked out
+            raise
         return logits[0]
 
     @torch.inference_mode()

@@ -206,3 +206,42 @@ def test_generate_refuses_what_cannot_fit(tiny_runtime):
     with pytest.raises(CapacityError, match="cells"):
         generate(runtime, [prompt_of(40, seed=1), prompt_of(30, seed=2)], 4)
     assert runtime.cache.next_pos == {}
+
+
+def test_generate_releases_every_session_when_interrupted(tiny_runtime):
+    runtime = tiny_runtime("tiny-llama")
+    calls = []
+
+    def interrupt(i, token):
+        calls.append(i)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        generate(runtime, [prompt_of(4, seed=1), prompt_of(6, seed=2)], 10, on_token=interrupt)
+    assert runtime.cache.next_pos == {}
+
+
+def test_positions_must_be_ints(tiny_runtime):
+    runtime = tiny_runtime("tiny-llama")
+    s = runtime.new_session()
+    runtime.step([StepEntry(s, [5, 6, 7, 8])])
+    for bad in (2.0, True, "2"):
+        with pytest.raises(RuntimeRefusal, match="a position is an int"):
+            runtime.rewind(s, bad)
+        with pytest.raises(RuntimeRefusal, match="a position is an int"):
+            runtime.clone(s, upto=bad)
+    assert s.length == 4
+
+
+def test_token_ids_of_other_integer_types(tiny_runtime):
+    import numpy as np
+
+    runtime = tiny_runtime("tiny-llama")
+    s = runtime.new_session()
+    [a] = runtime.step([StepEntry(s, [np.int64(5), torch.tensor(6)])])
+    other = runtime.new_session()
+    [b] = runtime.step([StepEntry(other, [5, 6])])
+    assert torch.equal(a, b)
+    with pytest.raises(RuntimeRefusal, match="must be integers"):
+        runtime.step([StepEntry(s, [5.0])])

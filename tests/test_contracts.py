@@ -192,3 +192,10 @@ def test_a_third_party_contract_can_register(tmp_path, package):
     (target / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(PackageError, match="toy_contract version 2 is not supported"):
         load(target)
+
+
+def test_single_sequence_runtimes_refuse_offgraph_options(package):
+    from kvexport.runtime import RuntimeRefusal
+
+    with pytest.raises(RuntimeRefusal, match="take no max_cells option"):
+        load(package("hf_static"), max_cells=64)

@@ -181,3 +181,36 @@ def test_bf16_package_runs(tmp_path):
     assert runtime.cache.pools[0].dtype == torch.bfloat16
     out = generate(runtime, [prompt_of(6, seed=3)], 8)[0]
     assert len(out) == 8 or out[-1] in runtime.eos_ids
+
+
+def test_overwrite_only_replaces_packages(tmp_path):
+    keep = tmp_path / "project"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match="not a kvexport package"):
+        export_tiny("tiny-llama", keep, overwrite=True)
+    assert (keep / "notes.txt").read_text() == "mine"
+
+
+def test_min_prefill_chunk_is_optional(tmp_path, tiny_package):
+    path = broken_copy(tmp_path, tiny_package("tiny-llama"), lambda m: m["metadata"].pop("get_min_prefill_chunk"))
+    assert len(generate(load(path), [prompt_of(30, seed=1)], 3)[0]) >= 1
+
+
+def test_a_gap_below_forward_others_is_refused(tmp_path, tiny_package):
+    def gap(m):
+        for spec in m["methods"]["forward_others"]["inputs"]:
+            for dim in spec["shape"]:
+                if isinstance(dim, dict) and dim["name"] == "T":
+                    dim["min"] = 12
+
+    with pytest.raises(PackageError, match="T from 12 leaves widths 9..11 that no method takes"):
+        load(broken_copy(tmp_path, tiny_package("tiny-llama"), gap))
+
+
+def test_unlisted_program_files_are_refused(tmp_path, tiny_package):
+    def unlisted(m):
+        m["files"].pop("programs/forward_2.json.gz")
+
+    with pytest.raises(PackageError, match="programs/forward_2.json.gz"):
+        load(broken_copy(tmp_path, tiny_package("tiny-llama"), unlisted))
