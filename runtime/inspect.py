@@ -31,6 +31,7 @@ def describe(path: Path) -> dict[str, Any]:
                 "inputs": _io(entry.get("inputs", [])),
                 "outputs": _io(entry.get("outputs", [])),
                 "step_width": entry.get("step_width"),
+                "state": entry.get("state", []),
             }
             for name, entry in m.get("methods", {}).items()
         },
@@ -84,6 +85,14 @@ def render(info: dict[str, Any]) -> str:
             ) + "".join(f", {s['name']} {s['dtype']} {format_shape(s['shape'])}" for s in rest)
     if state_note:
         lines.append(state_note)
+    for name, entry in info["methods"].items():
+        buffers = entry.get("state") or []
+        if buffers:
+            first = buffers[0]
+            lines.append(
+                f"  + {name} keeps its cache in {len(buffers)} buffers like {first['name']} {first['dtype']} "
+                f"{format_shape(first['shape'])}, allocated by the runtime (no cache byte in the package)"
+            )
     lines.append("metadata:")
     for key, value in sorted(info["metadata"].items()):
         lines.append(f"  {key:28} {value}")
