@@ -294,32 +294,24 @@ def contract_metadata(spec: ExportSpec, loaded: LoadedModel, forward: ContractFo
     geometry = forward.geometry
     bos, eos = _bos_eos(loaded)
     architecture = (getattr(config, "architectures", None) or [type(loaded.model).__name__])[0]
-    if spec.contract == mf.INGRAPH_KV:
-        return {
-            "get_max_context_len": forward.context,
+    if spec.contract in (mf.INGRAPH_KV, mf.HF_STATIC):
+        common = {
             "get_max_seq_len": spec.max_step_tokens,
             "get_vocab_size": forward.vocab_size,
             "get_n_layers": geometry.n_layers,
             "get_bos_id": bos,
             "get_eos_ids": eos,
-            "use_kv_cache": True,
-            "enable_dynamic_shape": True,
             "dtype": spec.dtype,
             "architecture": architecture,
         }
-    if spec.contract == mf.HF_STATIC:
+        if spec.contract == mf.INGRAPH_KV:
+            return {**common, "get_max_context_len": forward.context, "use_kv_cache": True, "enable_dynamic_shape": True}
         return {
+            **common,
             "get_max_cache_len": forward.context,
-            "get_max_seq_len": spec.max_step_tokens,
-            "get_vocab_size": forward.vocab_size,
-            "get_n_layers": geometry.n_layers,
             "get_kv_heads": list(geometry.kv_heads),
             "get_head_dims": list(geometry.head_dims),
             "get_windows": list(geometry.windows),
-            "get_bos_id": bos,
-            "get_eos_ids": eos,
-            "dtype": spec.dtype,
-            "architecture": architecture,
         }
     context = context_len(spec, config)
     return {

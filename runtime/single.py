@@ -35,6 +35,10 @@ class SingleSequenceManager(IOManager):
         self.position = 0
         self.caches = self._allocate_caches()
 
+    @classmethod
+    def check_manifest(cls, manifest: dict) -> list[str]:
+        return mf.check_single_sequence_manifest(manifest, cls.contract[0])
+
     def _allocate_caches(self) -> list[torch.Tensor]:
         raise NotImplementedError
 
@@ -87,10 +91,6 @@ class SingleSequenceManager(IOManager):
 class IngraphKVManager(SingleSequenceManager):
     context_key = "get_max_context_len"
 
-    @staticmethod
-    def check_manifest(manifest: dict) -> list[str]:
-        return mf.check_single_sequence_manifest(manifest, mf.INGRAPH_KV)
-
     def _allocate_caches(self) -> list[torch.Tensor]:
         # the program's cache buffers: bound once, so no per-call inputs
         state = {}
@@ -104,10 +104,6 @@ class IngraphKVManager(SingleSequenceManager):
 @register_io_manager(mf.HF_STATIC, mf.HF_STATIC_VERSION)
 class HFStaticManager(SingleSequenceManager):
     context_key = "get_max_cache_len"
-
-    @staticmethod
-    def check_manifest(manifest: dict) -> list[str]:
-        return mf.check_single_sequence_manifest(manifest, mf.HF_STATIC)
 
     def _allocate_caches(self) -> list[torch.Tensor]:
         specs = [s for s in self.package.manifest["methods"]["forward"]["inputs"] if s["role"] in ("kv_k", "kv_v")]
