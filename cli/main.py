@@ -68,6 +68,10 @@ def _progress(message: str) -> None:
 @click.option("--max-cells", type=int, help="Cell pool size get_offgraph_kv_max_cells (default 65536).")
 @click.option("--max-context-len", type=int, help="Lower the model's context (default: the model's own).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16"]), help="Weights and cache dtype (default fp32).")
+@click.option("--qlinear", help="Quantize linears with torchao: 8w, 4w or 8da4w.")
+@click.option("--qlinear-group-size", type=int, help="Group size (a power of two; default 32 for 4-bit, per channel for 8w).")
+@click.option("--qembedding", help="Quantize embeddings: 8w.")
+@click.option("--min-prefill-chunk", type=int, help="Fewest selected rows forward_others takes (get_min_prefill_chunk, default 1).")
 @click.option("--backend", type=click.Choice(["portable", "aoti"]), help="portable (PyTorch kernels, the default) or aoti (AOTInductor-compiled methods).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), help="aoti: the device to compile for (default cpu).")
 @click.option("--compile-workers", type=int, help="aoti: parallel compile processes (default: one per core).")
@@ -112,6 +116,11 @@ def export(
         given["output"] = output
     spec = build_spec(recipe, given, overrides, command=["kvexport", *sys.argv[1:]])
     result = export_package(spec, _progress, dump_graphs=dump_graphs)
+    if result.coverage:
+        from kvexport.exporter.quantize import coverage_summary
+
+        for line in coverage_summary(result.coverage):
+            click.echo(line)
     click.echo(
         f"wrote {result.path} in {result.seconds:.1f} s: {len(result.methods)} methods, "
         f"{_mb(result.package_bytes)} = {result.size_ratio:.3f} x the weights ({_mb(result.weights_bytes)})"

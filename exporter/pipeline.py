@@ -36,6 +36,7 @@ from kvexport.exporter.offgraph_module import (
     SampleModule,
     SingleSequenceForward,
 )
+from kvexport.exporter.quantize import quantize_model
 from kvexport.exporter.spec import ExportSpec
 from kvexport.partitioners.base import Partitioner
 from kvexport.exporter.aoti_compile import CompileJob, compile_methods
@@ -48,6 +49,7 @@ from kvexport.runtime import manifest as mf
 from kvexport.runtime import torch_compat
 from kvexport.runtime.errors import ExportError, ModelError, SpecError
 from kvexport.runtime.package import PackageWriter, program_path
+from kvexport.runtime.subclass import flatten, is_subclass
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
@@ -72,6 +74,7 @@ class ExportResult:
     package_bytes: int
     weights_bytes: int
     seconds: float
+    coverage: list | None = None
 
     @property
     def size_ratio(self) -> float:
@@ -109,6 +112,10 @@ def export_package(
     dump = GraphDump(dump_graphs)
     progress(f"loading {spec.model} ({spec.dtype})")
     loaded = load_model(spec.model, spec.dtype, progress)
+    coverage = []
+    if spec.qlinear or spec.qembedding:
+        with _timed(progress, "quantize"):
+            coverage = quantize_model(loaded.model, spec.qlinear, spec.qlinear_group_size, spec.qembedding)
     forward = build_forward(spec, loaded)
     metadata = contract_metadata(spec, loaded, forward)
     plans = plan_methods(spec, forward, metadata)
@@ -128,8 +135,9 @@ def export_package(
         reserve_constant_names(programs)
     dump("reserve_constant_names", programs)
     with _timed(progress, f"write {spec.output}"):
-        result = write_package(spec, loaded, metadata, plans, programs, progress)
+        result = write_package(spec, loaded, metadata, plans, programs, progress, coverage)
     result.seconds = time.perf_counter() - start
+    result.coverage = coverage
     return result
 
 
@@ -199,8 +207,13 @@ def write_package(
     plans: list[MethodPlan],
     programs: dict[str, torch.export.ExportedProgram],
     progress: Progress = log.info,
+    coverage: list[dict] | None = None,
 ) -> ExportResult:
     tensors, aliases, bindings = gather_weights(plans, programs)
+    subclasses = {}
+    for name in [n for n, t in tensors.items() if is_subclass(t)]:
+        inner, subclasses[name] = flatten(name, tensors.pop(name))
+        tensors.update(inner)
     with PackageWriter(Path(spec.output), overwrite=spec.overwrite) as writer:
         save_file({k: t.cpu() for k, t in tensors.items()}, str(writer.weights_path), metadata={"format": "pt"})
         methods = {}
@@ -243,11 +256,18 @@ def write_package(
             "contract": {"name": spec.contract, "version": mf.CONTRACTS[spec.contract]},
             "metadata": metadata,
             "methods": methods,
-            "weights": {"file": writer.weights_path.name, "tensors": len(tensors), "aliases": aliases},
+            "weights": {"file": writer.weights_path.name, "tensors": len(tensors), "aliases": aliases, "subclasses": subclasses},
             "backend": backend,
             "tokenizer": tokenizer,
             "provenance": provenance(spec, loaded),
         }
+        if coverage:
+            manifest["quantization"] = {
+                "qlinear": spec.qlinear or None,
+                "qlinear_group_size": spec.qlinear_group_size or None,
+                "qembedding": spec.qembedding or None,
+                "coverage": coverage,
+            }
         mf.require(mf.check_manifest({**manifest, "files": {}}), "the exporter built an invalid manifest")
         weights_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         package_bytes = sum(p.stat().st_size for p in writer.files())
@@ -324,7 +344,7 @@ def contract_metadata(spec: ExportSpec, loaded: LoadedModel, forward: ContractFo
         "get_head_dims": list(geometry.head_dims),
         "get_windows": list(geometry.windows),
         "get_offgraph_kv_max_cells": spec.max_cells,
-        "get_min_prefill_chunk": 1,
+        "get_min_prefill_chunk": spec.min_prefill_chunk,
         "bos_id": bos,
         "eos_ids": eos,
         "dtype": spec.dtype,
@@ -470,6 +490,14 @@ def gather_weights(
     storages: set[int] = set()
     for name in sorted(by_name):
         tensor = by_name[name].detach()
+        if is_subclass(tensor):  # quantized: its inner tensors are stored (write_package)
+            key: tuple = ("subclass", id(by_name[name]))
+            if key in seen:
+                aliases[name] = seen[key]
+            else:
+                seen[key] = name
+                tensors[name] = by_name[name]
+            continue
         key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
         if key in seen:
             aliases[name] = seen[key]

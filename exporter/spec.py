@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvexport.exporter.quantize import QEMBEDDING, QLINEAR
 from kvexport.runtime.errors import SpecError
 from kvexport.runtime.manifest import CONTRACTS, DTYPES, INGRAPH_KV, OFFGRAPH_KV
 
@@ -29,6 +30,10 @@ class ExportSpec:
     max_cells: int = 65536
     max_context_len: int = 0  # 0: the model's native context
     dtype: str = "fp32"
+    qlinear: str = ""  # 8w | 4w | 8da4w
+    qlinear_group_size: int = 0  # 0: 32 for the 4-bit schemes, per channel for 8w
+    qembedding: str = ""  # 8w
+    min_prefill_chunk: int = 1
     backend: str = "portable"
     device: str = "cpu"  # aoti: the device the methods are compiled for
     compile_workers: int = 0  # aoti: parallel compile processes (0: one per core, at most one per method)
@@ -79,6 +84,18 @@ class ExportSpec:
             )
         if self.dtype not in DTYPES:
             raise SpecError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.qlinear not in ("",) + QLINEAR:
+            raise SpecError(f"--qlinear must be one of {', '.join(QLINEAR)}, got {self.qlinear!r}")
+        if self.qembedding not in ("",) + QEMBEDDING:
+            raise SpecError(f"--qembedding must be {', '.join(QEMBEDDING)}, got {self.qembedding!r}")
+        group = self.qlinear_group_size
+        if not _is_int(group) or group < 0 or (group and group & (group - 1)):
+            raise SpecError(f"--qlinear-group-size must be a positive power of two, got {group!r}")
+        if (self.qlinear or self.qembedding) and self.backend != "portable":
+            raise SpecError("quantized packages are portable-only so far; drop --backend aoti or the quantization")
+        chunk = self.min_prefill_chunk
+        if not _is_int(chunk) or not 1 <= chunk <= self.max_step_tokens:
+            raise SpecError(f"--min-prefill-chunk must be in 1..--max-step-tokens ({self.max_step_tokens}), got {chunk!r}")
         if self.backend not in BACKENDS:
             raise SpecError(f"--backend {self.backend!r} is not available; known backends: {', '.join(BACKENDS)}")
         if self.device not in ("cpu", "cuda"):

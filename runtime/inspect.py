@@ -43,6 +43,7 @@ def describe(path: Path) -> dict[str, Any]:
         },
         "tokenizer": m.get("tokenizer"),
         "backend": m.get("backend", {"id": "portable"}),
+        "quantization": m.get("quantization"),
         "provenance": m.get("provenance", {}),
     }
 
@@ -93,6 +94,15 @@ def render(info: dict[str, Any]) -> str:
                 f"  + {name} keeps its cache in {len(buffers)} buffers like {first['name']} {first['dtype']} "
                 f"{format_shape(first['shape'])}, allocated by the runtime (no cache byte in the package)"
             )
+    quant = info.get("quantization")
+    if quant:
+        rows = quant.get("coverage", [])
+        done = sum(1 for r in rows if r.get("scheme"))
+        lines.append(f"quantization: qlinear {quant.get('qlinear')}, group {quant.get('qlinear_group_size') or 'default'}, "
+                     f"qembedding {quant.get('qembedding')}: {done} of {len(rows)} linears and embeddings quantized")
+        for r in rows:
+            if not r.get("scheme"):
+                lines.append(f"  skipped {r.get('module')}: {r.get('skipped')}")
     lines.append("metadata:")
     for key, value in sorted(info["metadata"].items()):
         lines.append(f"  {key:28} {value}")

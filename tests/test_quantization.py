@@ -1,0 +1,120 @@
+"""torchao weight quantization (portable backend): tokens equal the same
+model quantized eagerly, batching holds, the coverage report names every
+linear and embedding, weights are stored without pickle."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors import safe_open
+
+from helpers import export_tiny, hf_greedy, prompt_of
+from kvexport.cli.main import main
+from kvexport.exporter.models import load_model
+from kvexport.exporter.quantize import quantize_model
+from kvexport.runtime import generate, load
+from kvexport.runtime.errors import SpecError
+from kvexport.runtime.validate import validate_package
+
+SCHEMES = ("8w", "4w", "8da4w")
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    cache = {}
+
+    def get(model: str, scheme: str, **extra):
+        key = (model, scheme, tuple(sorted(extra.items())))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"{model}-{scheme}") / "pkg"
+            cache[key] = export_tiny(model, out, qlinear=scheme, qembedding="8w", **extra).path
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
+def test_tokens_equal_the_eagerly_quantized_model(quantized, model, scheme):
+    eager = load_model(model).model
+    quantize_model(eager, scheme, 0, "8w")
+    runtime = load(quantized(model, scheme))
+    prompts = [prompt_of(5, seed=1), prompt_of(30, seed=2), prompt_of(12, seed=3)]
+    want = [hf_greedy(eager, p, 32) for p in prompts]
+    assert [generate(runtime, [p], 32)[0] for p in prompts] == want  # alone
+    assert generate(runtime, prompts, 32) == want  # batched
+
+
+def test_coverage_names_every_linear_and_embedding(quantized):
+    path = quantized("tiny-qwen2", "4w")
+    manifest = json.loads((path / "manifest.json").read_text())
+    rows = manifest["quantization"]["coverage"]
+    model = load_model("tiny-qwen2").model
+    modules = {n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
+    assert {r["module"] for r in rows} == modules
+    assert all(r["scheme"] or r["skipped"] for r in rows)  # nothing skipped silently
+    assert {r["scheme"] for r in rows if r["kind"] == "linear"} == {"4w"}
+    assert [r["scheme"] for r in rows if r["kind"] == "embedding"] == ["8w"]
+    tied = json.loads((quantized("tiny-llama", "8w") / "manifest.json").read_text())["quantization"]["coverage"]
+    assert any("tied with" in (r["skipped"] or "") for r in tied)
+    assert validate_package(path).ok
+    assert "quantization: qlinear 4w" in CliRunner().invoke(main, ["inspect", str(path)]).stdout
+
+
+def test_width_not_divisible_by_the_group_is_reported(tmp_path):
+    result = export_tiny("tiny-qwen2", tmp_path / "pkg", qlinear="4w", qlinear_group_size=128)
+    rows = json.loads((result.path / "manifest.json").read_text())["quantization"]["coverage"]
+    linears = [r for r in rows if r["kind"] == "linear"]
+    assert all(r["skipped"] and "not divisible by the group size 128" in r["skipped"] for r in linears if r["shape"][1] % 128)
+
+
+def test_quantized_weights_are_stored_plain_and_loaded_without_pickle(quantized, tiny_package, monkeypatch):
+    path = quantized("tiny-qwen2", "8w")
+    manifest = json.loads((path / "manifest.json").read_text())
+    records = manifest["weights"]["subclasses"]
+    assert records and all(r["class"].startswith("torchao.quantization.") for r in records.values())
+    with safe_open(str(path / "weights.safetensors"), "pt") as f:
+        name = next(iter(records))
+        assert f.get_tensor(records[name]["inner"]["qdata"]).dtype == torch.int8
+    fp32 = json.loads((tiny_package("tiny-qwen2") / "manifest.json").read_text())["files"]["weights.safetensors"]["bytes"]
+    assert manifest["files"]["weights.safetensors"]["bytes"] < 0.4 * fp32  # int8 weights and embeddings, once
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("unpickling")
+
+    for attr in ("load", "loads", "Unpickler"):
+        monkeypatch.setattr(pickle, attr, refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    assert len(generate(load(path), [prompt_of(7, seed=5)], 4, stop_at_eos=False)[0]) == 4
+
+
+def test_min_prefill_chunk(quantized):
+    path = quantized("tiny-llama", "8da4w", min_prefill_chunk=4)
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["metadata"]["get_min_prefill_chunk"] == 4
+    assert manifest["methods"]["forward_others"]["inputs"][2]["shape"][0] == {"name": "K", "min": 4, "max": 24}
+    assert validate_package(path).ok
+    eager = load_model("tiny-llama").model
+    quantize_model(eager, "8da4w", 0, "8w")
+    prompt = prompt_of(20, seed=9)  # one selected row in forward_others: padded to 4
+    assert generate(load(path), [prompt], 16) == [hf_greedy(eager, prompt, 16)]
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (dict(qlinear="3w"), "--qlinear must be one of 8w, 4w, 8da4w"),
+        (dict(qlinear="4w", qlinear_group_size=24), "--qlinear-group-size must be a positive power of two"),
+        (dict(qlinear="4w", qlinear_group_size=-32), "--qlinear-group-size must be a positive power of two"),
+        (dict(qembedding="4w"), "--qembedding must be 8w"),
+        (dict(min_prefill_chunk=0), "--min-prefill-chunk must be in 1..--max-step-tokens"),
+        (dict(qlinear="8w", backend="aoti"), "portable-only so far"),
+    ],
+)
+def test_bad_quantization_flags(tmp_path, flags, message):
+    with pytest.raises(SpecError, match=message):
+        export_tiny("tiny-llama", tmp_path / "pkg", **flags)
