@@ -1,0 +1,98 @@
+"""Quantized packages against fp32, in one run: size, teacher-forced top-1
+agreement with the fp32 model over a fixed 256-token text, and greedy decode
+tokens/s at batch 1 and over 8 sessions as ratios to HF `generate` fp32 at
+batch 1.
+
+    python bench/quant.py --fp32 PKG --quantized 8w=PKG --quantized 4w=PKG ...
+
+Each package must come from the same model; forward_others must take 128
+tokens (export with --max-step-tokens >= 129).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from common import emit
+from decode import decode_seconds
+from kvexport.exporter.models import load_model
+from kvexport.exporter.verify import method_logits
+from kvexport.runtime import generate, load
+
+TEXT = (
+    "The history of astronomy begins with people who watched the sky and kept records of what they saw. "
+    "Farmers needed calendars, sailors needed directions, and priests needed to know when festivals fell. "
+    "Over many centuries these needs produced careful tables of the motions of the Sun, the Moon and the planets. "
+    "Greek astronomers built geometric models in which the Earth stood still at the centre, while later thinkers "
+    "in Persia, India and the Islamic world refined the measurements and questioned the models. In the sixteenth "
+    "century Copernicus proposed that the Earth and the other planets move around the Sun. Kepler found that the "
+    "orbits are ellipses, Galileo turned a telescope to the heavens and saw the moons of Jupiter, and Newton "
+    "explained all of it with a single law of gravitation. Today astronomers study light from galaxies billions of "
+    "years old, measure the expansion of the universe, and search for planets around distant stars, some of which "
+    "might be warm enough for liquid water. Each new instrument has changed the questions people ask about the sky. "
+    "Radio dishes revealed cold clouds of gas where stars are born, satellites above the atmosphere caught X-rays "
+    "from matter falling into black holes, and detectors buried deep underground counted the faint neutrinos that "
+    "stream out of the Sun. Gravitational waves, first recorded in 2015, let astronomers hear two black holes merge "
+    "more than a billion light years away. Amateur observers still matter too: they find comets, track variable "
+    "stars and share careful notes, much as the first sky watchers did thousands of years ago."
+)
+
+
+def teacher_forced_top1(runtime, tokens: list[int], chunk: int = 128) -> torch.Tensor:
+    rows = []
+    for start in range(0, len(tokens), chunk):
+        rows.append(method_logits(runtime, "forward_others", tokens[:start], tokens[start : start + chunk]).argmax(-1))
+    return torch.cat(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--fp32", required=True, type=Path)
+    parser.add_argument("--quantized", action="append", default=[], help="SCHEME=PKG")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    args = parser.parse_args()
+    fp32 = load(args.fp32)
+    text = fp32.package.tokenizer()
+    tokens = text.tokenizer(TEXT)["input_ids"][:256]
+    assert len(tokens) == 256, len(tokens)
+    reference = teacher_forced_top1(fp32, tokens)
+    source = json.loads((args.fp32 / "manifest.json").read_text())["provenance"]["source"]
+    hf = load_model(source.get("builtin") or source["path"]).model
+    prompts = [tokens[i * 24 : i * 24 + 24] for i in range(8)]
+
+    def hf_run(n: int) -> None:
+        ids = torch.tensor(prompts[:1])
+        with torch.no_grad():
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    hf_run(2)
+    hf_s = decode_seconds(hf_run, args.new_tokens, 2)
+    hf_tps = (args.new_tokens - 1) / hf_s
+    fp32_bytes = sum(f["bytes"] for f in fp32.package.manifest["files"].values())
+    result = {"hf_generate_fp32_batch1_tokens_per_s": round(hf_tps, 2), "schemes": {}}
+    for item in ["fp32=" + str(args.fp32)] + args.quantized:
+        scheme, path = item.split("=", 1)
+        runtime = fp32 if scheme == "fp32" else load(path)
+        files = runtime.package.manifest["files"]
+        agree = float((teacher_forced_top1(runtime, tokens) == reference).float().mean())
+        row = {"package_over_fp32_package": round(sum(f["bytes"] for f in files.values()) / fp32_bytes, 3),
+               "top1_agreement_with_fp32": round(agree, 4)}
+        for batch in (1, 8):
+            def ours(n: int, batch=batch) -> None:
+                generate(runtime, prompts[:batch], n, stop_at_eos=False)
+
+            ours(2)
+            seconds = decode_seconds(ours, args.new_tokens, 2)
+            tps = batch * (args.new_tokens - 1) / seconds
+            row[f"batch{batch}_tokens_per_s"] = round(tps, 2)
+            row[f"batch{batch}_over_hf_fp32_batch1"] = round(tps / hf_tps, 3)
+        result["schemes"][scheme] = row
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
