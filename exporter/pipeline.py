@@ -137,7 +137,6 @@ def export_package(
     with _timed(progress, f"write {spec.output}"):
         result = write_package(spec, loaded, metadata, plans, programs, progress, coverage)
     result.seconds = time.perf_counter() - start
-    result.coverage = coverage
     return result
 
 
@@ -209,11 +208,7 @@ def write_package(
     progress: Progress = log.info,
     coverage: list[dict] | None = None,
 ) -> ExportResult:
-    tensors, aliases, bindings = gather_weights(plans, programs)
-    subclasses = {}
-    for name in [n for n, t in tensors.items() if is_subclass(t)]:
-        inner, subclasses[name] = flatten(name, tensors.pop(name))
-        tensors.update(inner)
+    tensors, aliases, subclasses, bindings = gather_weights(plans, programs)
     with PackageWriter(Path(spec.output), overwrite=spec.overwrite) as writer:
         save_file({k: t.cpu() for k, t in tensors.items()}, str(writer.weights_path), metadata={"format": "pt"})
         methods = {}
@@ -273,7 +268,7 @@ def write_package(
         package_bytes = sum(p.stat().st_size for p in writer.files())
         writer.commit(manifest)
     package_bytes += (Path(spec.output) / "manifest.json").stat().st_size
-    return ExportResult(Path(spec.output), [p.name for p in plans], package_bytes, weights_bytes, 0.0)
+    return ExportResult(Path(spec.output), [p.name for p in plans], package_bytes, weights_bytes, 0.0, coverage)
 
 
 def context_len(spec: ExportSpec, config: Any) -> int:
@@ -463,9 +458,10 @@ def trace_methods(plans: list[MethodPlan], progress: Progress) -> dict[str, torc
 
 def gather_weights(
     plans: list[MethodPlan], programs: dict[str, torch.export.ExportedProgram]
-) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, dict[str, list[str]]]]:
-    """One tensor per name over all methods, the aliases (names bound to the
-    same tensor, such as tied embeddings: stored once), and which names each
+) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, dict], dict[str, dict[str, list[str]]]]:
+    """The plain tensors to store, the aliases (names bound to the same
+    tensor, such as tied embeddings: stored once), the records of quantized
+    (subclass) weights stored as their inner tensors, and which names each
     method binds. Methods traced from the same module share weights by name;
     a name bound to two different values is an error."""
     by_name: dict[str, torch.Tensor] = {}
@@ -486,17 +482,19 @@ def gather_weights(
         bindings[plan.name] = names
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
+    subclasses: dict[str, dict] = {}
     seen: dict[tuple, str] = {}
     storages: set[int] = set()
     for name in sorted(by_name):
         tensor = by_name[name].detach()
-        if is_subclass(tensor):  # quantized: its inner tensors are stored (write_package)
+        if is_subclass(tensor):  # quantized: stored as its inner tensors (runtime/subclass.py)
             key: tuple = ("subclass", id(by_name[name]))
             if key in seen:
                 aliases[name] = seen[key]
             else:
                 seen[key] = name
-                tensors[name] = by_name[name]
+                inner, subclasses[name] = flatten(name, by_name[name])
+                tensors.update(inner)
             continue
         key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
         if key in seen:
@@ -507,7 +505,7 @@ def gather_weights(
         # safetensors keeps each tensor on its own: a view into a storage already stored is copied out
         tensors[name] = tensor.contiguous() if storage not in storages else tensor.clone()
         storages.add(storage)
-    return tensors, aliases, bindings
+    return tensors, aliases, subclasses, bindings
 
 
 def provenance(spec: ExportSpec, loaded: LoadedModel) -> dict[str, Any]:

@@ -36,6 +36,13 @@ def zeros_allocator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
+def io_buffer(allocator: Allocator, values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An input buffer from the allocator, on the device, holding `values`."""
+    buffer = allocator(tuple(values.shape), values.dtype, device)
+    buffer.copy_(values)
+    return buffer
+
+
 def sequence_bit(seq: int) -> int:
     """The int64 value with only bit `seq` set (bit 63 is the sign bit)."""
     return (1 << seq) if seq < 63 else -(1 << 63)

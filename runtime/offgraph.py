@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import torch
 
 from kvexport.runtime import manifest as mf
-from kvexport.runtime.cell_cache import SCRATCH_CELL, Allocator, CellCache, sequence_bit, zeros_allocator
+from kvexport.runtime.cell_cache import SCRATCH_CELL, Allocator, CellCache, io_buffer, sequence_bit, zeros_allocator
 from kvexport.runtime.errors import PackageError, RuntimeRefusal
 from kvexport.runtime.loader import IOManager, LoadedPackage, register_io_manager
 from kvexport.runtime.sampler import sample, sample_argmax
@@ -204,11 +204,7 @@ class OffgraphKVManager(IOManager):
         return out
 
     def _io(self, values: torch.Tensor) -> torch.Tensor:
-        """An input buffer from the allocator (on the package's device),
-        holding `values`."""
-        buffer = self.allocator(tuple(values.shape), values.dtype, self.device)
-        buffer.copy_(values)
-        return buffer
+        return io_buffer(self.allocator, values, self.device)
 
     # ------------------------------------------------------------- sampling
     @torch.inference_mode()

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from kvexport.runtime import manifest as mf
-from kvexport.runtime.cell_cache import Allocator, zeros_allocator
+from kvexport.runtime.cell_cache import Allocator, io_buffer, zeros_allocator
 from kvexport.runtime.errors import CapacityError, RuntimeRefusal
 from kvexport.runtime.loader import IOManager, LoadedPackage, register_io_manager
 from kvexport.runtime.offgraph import check_token_ids
@@ -43,10 +43,7 @@ class SingleSequenceManager(IOManager):
         raise NotImplementedError
 
     def _io(self, values: torch.Tensor) -> torch.Tensor:
-        """An input buffer from the allocator, holding `values`."""
-        buffer = self.allocator(tuple(values.shape), values.dtype, self.device)
-        buffer.copy_(values)
-        return buffer
+        return io_buffer(self.allocator, values, self.device)
 
     def reset(self) -> None:
         """Starts a new sequence (old cache entries are masked by position)."""

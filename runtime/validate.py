@@ -11,7 +11,7 @@ from pathlib import Path
 from kvexport.runtime.errors import PackageError
 from kvexport.runtime.loader import select_io_manager
 from kvexport.runtime.package import PackageReader
-from kvexport.runtime.step_width import StepWidthError, check_step_width, view_of_serialized
+from kvexport.runtime.step_width import GraphView, StepWidthError, check_step_width, view_of_serialized
 
 
 @dataclass
@@ -53,20 +53,20 @@ def validate_package(path: str | Path) -> Report:
         except (OSError, ValueError) as e:
             report.violations.append(f"methods.{name}.program: cannot read {entry['program']} ({e})")
             continue
-        report.violations += check_program_io(name, entry, program)
+        view = view_of_serialized(program)
+        report.violations += check_program_io(name, entry, program, view)
         if "step_width" in entry:
             try:
-                check_step_width(entry["step_width"], view_of_serialized(program))
+                check_step_width(entry["step_width"], view)
             except StepWidthError as e:
                 report.violations.append(f"methods.{name}.step_width: {e}")
     report.checked.append(f"{len(manifest['methods'])} programs against their specs and step widths")
     return report
 
 
-def check_program_io(method: str, entry: dict, program: dict) -> list[str]:
+def check_program_io(method: str, entry: dict, program: dict, view: GraphView) -> list[str]:
     """The stored graph's user inputs and outputs against the manifest's
     specs: count, dtype, rank, static sizes and dynamic ranges."""
-    view = view_of_serialized(program)
     graph = program["graph_module"]
     ranges = {k: (v.get("min_val"), v.get("max_val")) for k, v in program.get("range_constraints", {}).items()}
     outputs = [

@@ -22,18 +22,17 @@ SINGLE = ("ingraph_kv", "hf_static")
 
 
 @pytest.fixture(scope="module")
-def package(tmp_path_factory):
+def package(tmp_path_factory, tiny_package):
     cache = {}
 
     def get(contract: str, model: str = "tiny-llama"):
+        if contract == "offgraph_kv":
+            return tiny_package(model)
         if (contract, model) not in cache:
             out = tmp_path_factory.mktemp(f"{contract}-{model}") / "pkg"
-            if contract == "offgraph_kv":
-                cache[contract, model] = export_tiny(model, out).path
-            else:
-                cache[contract, model] = export_tiny(
-                    model, out, use_offgraph_kv_cache=False, contract=contract, max_step_tokens=16, max_context_len=128
-                ).path
+            cache[contract, model] = export_tiny(
+                model, out, use_offgraph_kv_cache=False, contract=contract, max_step_tokens=16, max_context_len=128
+            ).path
         return cache[contract, model]
 
     return get
