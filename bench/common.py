@@ -8,18 +8,24 @@ import time
 import torch
 
 
-def gemv_gbps(megabytes: int = 512, width: int = 576, repeats: int = 5) -> float:
-    """Best-of bytes/s of fp32 matrix-vector products over a weight-sized
-    matrix: what this machine's BLAS reaches on a decode step's main work."""
+def weight_read_gbps(megabytes: int = 512, width: int = 576, repeats: int = 5) -> dict[str, float]:
+    """Best-of bytes/s at which this machine's BLAS reads a weight-sized fp32
+    matrix: as a matrix-vector product (torch.mv, what F.linear does for one
+    row) and as a product with two columns (`W @ x.T`, the weight-stationary
+    layout, the fastest read found here)."""
     w = torch.randn(megabytes * (1 << 20) // 4 // width, width)
     x = torch.randn(width)
-    torch.mv(w, x)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mv(w, x)
-        best = min(best, time.perf_counter() - start)
-    return w.numel() * 4 / best / 1e9
+    x2 = torch.randn(2, width)
+    rates = {}
+    for name, fn in (("gemv", lambda: torch.mv(w, x)), ("mm_2_columns", lambda: torch.mm(w, x2.t()))):
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - start)
+        rates[name] = w.numel() * 4 / best / 1e9
+    return rates
 
 
 def emit(result: dict) -> None:

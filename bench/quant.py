@@ -3,10 +3,14 @@ agreement with the fp32 model over a fixed 256-token text, and greedy decode
 tokens/s at batch 1 and over 8 sessions as ratios to HF `generate` fp32 at
 batch 1.
 
-    python bench/quant.py --fp32 PKG --quantized 8w=PKG --quantized 4w=PKG ...
+    python bench/quant.py --fp32 PKG --quantized 8w=PKG --quantized 4w-aoti=PKG ...
 
 Each package must come from the same model; forward_others must take 128
-tokens (export with --max-step-tokens >= 129).
+tokens (export with --max-step-tokens >= 129). A label is free text; a
+package's size is compared with the fp32 package of its backend (pass an
+aoti fp32 package as `fp32-aoti=PKG` to get that ratio for aoti ones). The
+floor of a batch-1 step is the package's weight bytes read once at the read
+rate this machine's BLAS reaches (bench/common.py).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from common import emit
+from common import emit, weight_read_gbps
 from decode import decode_seconds
 from kvexport.exporter.models import load_model
 from kvexport.exporter.verify import method_logits
@@ -72,15 +76,22 @@ def main() -> None:
     hf_run(2)
     hf_s = decode_seconds(hf_run, args.new_tokens, 2)
     hf_tps = (args.new_tokens - 1) / hf_s
-    fp32_bytes = sum(f["bytes"] for f in fp32.package.manifest["files"].values())
-    result = {"hf_generate_fp32_batch1_tokens_per_s": round(hf_tps, 2), "schemes": {}}
+    read_gbps = weight_read_gbps()["mm_2_columns"]
+    result = {"hf_generate_fp32_batch1_tokens_per_s": round(hf_tps, 2), "read_gbps": round(read_gbps, 1), "schemes": {}}
+    fp32_bytes: dict[str, int] = {}
     for item in ["fp32=" + str(args.fp32)] + args.quantized:
         scheme, path = item.split("=", 1)
         runtime = fp32 if scheme == "fp32" else load(path)
-        files = runtime.package.manifest["files"]
+        manifest = runtime.package.manifest
+        backend = manifest["backend"]["id"]
+        package_bytes = sum(f["bytes"] for f in manifest["files"].values())
+        weights_bytes = manifest["files"][manifest["weights"]["file"]]["bytes"]
+        if scheme.startswith("fp32"):
+            fp32_bytes.setdefault(backend, package_bytes)
         agree = float((teacher_forced_top1(runtime, tokens) == reference).float().mean())
-        row = {"package_over_fp32_package": round(sum(f["bytes"] for f in files.values()) / fp32_bytes, 3),
-               "top1_agreement_with_fp32": round(agree, 4)}
+        row = {"backend": backend, "top1_agreement_with_fp32": round(agree, 4)}
+        if backend in fp32_bytes:
+            row["package_over_fp32_package"] = round(package_bytes / fp32_bytes[backend], 3)
         for batch in (1, 8):
             def ours(n: int, batch=batch) -> None:
                 generate(runtime, prompts[:batch], n, stop_at_eos=False)
@@ -90,6 +101,9 @@ def main() -> None:
             tps = batch * (args.new_tokens - 1) / seconds
             row[f"batch{batch}_tokens_per_s"] = round(tps, 2)
             row[f"batch{batch}_over_hf_fp32_batch1"] = round(tps / hf_tps, 3)
+            if batch == 1:
+                floor_ms = weights_bytes / (read_gbps * 1e9) * 1000
+                row["batch1_step_over_floor"] = round(1000 / tps / floor_ms, 3)
         result["schemes"][scheme] = row
     emit(result)
 

@@ -36,7 +36,7 @@ from kvexport.exporter.offgraph_module import (
     SampleModule,
     SingleSequenceForward,
 )
-from kvexport.exporter.quantize import quantize_model
+from kvexport.exporter.quantize import plain_weights, quantize_model
 from kvexport.exporter.spec import ExportSpec
 from kvexport.partitioners.base import Partitioner
 from kvexport.exporter.aoti_compile import CompileJob, compile_methods
@@ -49,7 +49,6 @@ from kvexport.runtime import manifest as mf
 from kvexport.runtime import torch_compat
 from kvexport.runtime.errors import ExportError, ModelError, SpecError
 from kvexport.runtime.package import PackageWriter, program_path
-from kvexport.runtime.subclass import flatten, is_subclass
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
@@ -116,6 +115,10 @@ def export_package(
     if spec.qlinear or spec.qembedding:
         with _timed(progress, "quantize"):
             coverage = quantize_model(loaded.model, spec.qlinear, spec.qlinear_group_size, spec.qembedding)
+            inner = plain_weights(loaded.model)
+            for row in coverage:
+                if row["scheme"]:
+                    row["stored"] = inner[f"{row['module']}.weight"]  # tensors for now: named in write_package
     forward = build_forward(spec, loaded)
     metadata = contract_metadata(spec, loaded, forward)
     plans = plan_methods(spec, forward, metadata)
@@ -208,7 +211,9 @@ def write_package(
     progress: Progress = log.info,
     coverage: list[dict] | None = None,
 ) -> ExportResult:
-    tensors, aliases, subclasses, bindings = gather_weights(plans, programs)
+    tensors, aliases, bindings = gather_weights(plans, programs)
+    if coverage:
+        coverage = name_stored_tensors(coverage, programs, aliases)
     with PackageWriter(Path(spec.output), overwrite=spec.overwrite) as writer:
         save_file({k: t.cpu() for k, t in tensors.items()}, str(writer.weights_path), metadata={"format": "pt"})
         methods = {}
@@ -251,7 +256,7 @@ def write_package(
             "contract": {"name": spec.contract, "version": mf.CONTRACTS[spec.contract]},
             "metadata": metadata,
             "methods": methods,
-            "weights": {"file": writer.weights_path.name, "tensors": len(tensors), "aliases": aliases, "subclasses": subclasses},
+            "weights": {"file": writer.weights_path.name, "tensors": len(tensors), "aliases": aliases},
             "backend": backend,
             "tokenizer": tokenizer,
             "provenance": provenance(spec, loaded),
@@ -447,9 +452,11 @@ def trace_methods(plans: list[MethodPlan], progress: Progress) -> dict[str, torc
         start = time.perf_counter()
         try:
             with torch.no_grad():
-                programs[plan.name] = torch.export.export(
+                program = torch.export.export(
                     plan.module, plan.example_args, dynamic_shapes=plan.dynamic_shapes, strict=False
                 )
+            program.graph_module.meta[USER_INPUTS_META] = list(program.graph_signature.user_inputs)
+            programs[plan.name] = program
         except Exception as e:
             raise ExportError(f"tracing {plan.name} failed: {type(e).__name__}: {e}") from e
         progress(f"[{i}/{len(plans)}] {plan.name} traced in {time.perf_counter() - start:.1f} s")
@@ -458,11 +465,10 @@ def trace_methods(plans: list[MethodPlan], progress: Progress) -> dict[str, torc
 
 def gather_weights(
     plans: list[MethodPlan], programs: dict[str, torch.export.ExportedProgram]
-) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, dict], dict[str, dict[str, list[str]]]]:
-    """The plain tensors to store, the aliases (names bound to the same
-    tensor, such as tied embeddings: stored once), the records of quantized
-    (subclass) weights stored as their inner tensors, and which names each
-    method binds. Methods traced from the same module share weights by name;
+) -> tuple[dict[str, torch.Tensor], dict[str, str], dict[str, dict[str, list[str]]]]:
+    """The tensors to store, the aliases (names bound to the same tensor,
+    such as tied embeddings: stored once), and which names each method
+    binds. Methods traced from the same module share weights by name;
     a name bound to two different values is an error."""
     by_name: dict[str, torch.Tensor] = {}
     bindings = {}
@@ -482,20 +488,10 @@ def gather_weights(
         bindings[plan.name] = names
     tensors: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
-    subclasses: dict[str, dict] = {}
     seen: dict[tuple, str] = {}
     storages: set[int] = set()
     for name in sorted(by_name):
         tensor = by_name[name].detach()
-        if is_subclass(tensor):  # quantized: stored as its inner tensors (runtime/subclass.py)
-            key: tuple = ("subclass", id(by_name[name]))
-            if key in seen:
-                aliases[name] = seen[key]
-            else:
-                seen[key] = name
-                inner, subclasses[name] = flatten(name, by_name[name])
-                tensors.update(inner)
-            continue
         key = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
         if key in seen:
             aliases[name] = seen[key]
@@ -505,7 +501,24 @@ def gather_weights(
         # safetensors keeps each tensor on its own: a view into a storage already stored is copied out
         tensors[name] = tensor.contiguous() if storage not in storages else tensor.clone()
         storages.add(storage)
-    return tensors, aliases, subclasses, bindings
+    return tensors, aliases, bindings
+
+
+def name_stored_tensors(coverage: list[dict], programs: dict[str, torch.export.ExportedProgram], aliases: dict[str, str]) -> list[dict]:
+    """The coverage rows with each quantized weight's inner tensors (qdata,
+    scale, zero_point) given by the names they are stored under."""
+    def key(t: torch.Tensor) -> tuple:
+        return t.data_ptr(), t.dtype, tuple(t.shape)
+
+    names: dict[tuple, str] = {}
+    for program in programs.values():
+        for name, tensor in program.state_dict.items():
+            names.setdefault(key(tensor), aliases.get(name, name))
+    return [
+        {**row, "stored": {k: names[key(v)] if isinstance(v, torch.Tensor) else v for k, v in row["stored"].items()}}
+        if "stored" in row else row
+        for row in coverage
+    ]
 
 
 def provenance(spec: ExportSpec, loaded: LoadedModel) -> dict[str, Any]:

@@ -91,8 +91,6 @@ class ExportSpec:
         group = self.qlinear_group_size
         if not _is_int(group) or group < 0 or (group and group & (group - 1)):
             raise SpecError(f"--qlinear-group-size must be a positive power of two, got {group!r}")
-        if (self.qlinear or self.qembedding) and self.backend != "portable":
-            raise SpecError("quantized packages are portable-only so far; drop --backend aoti or the quantization")
         chunk = self.min_prefill_chunk
         if not _is_int(chunk) or not 1 <= chunk <= self.max_step_tokens:
             raise SpecError(f"--min-prefill-chunk must be in 1..--max-step-tokens ({self.max_step_tokens}), got {chunk!r}")

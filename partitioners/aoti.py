@@ -10,6 +10,8 @@ import platform
 import torch
 
 from kvexport.partitioners.portable import PortablePartitioner
+from kvexport.passes.base import Pass
+from kvexport.passes.quantized_weights import FusedDequantizeMatmulPass
 
 
 def compile_target(device: str) -> dict:
@@ -38,3 +40,7 @@ class AotiPartitioner(PortablePartitioner):
 
     def __init__(self, device: str = "cpu"):
         self.device = device
+
+    def kernel_choice_passes(self) -> list[Pass]:
+        fused = [FusedDequantizeMatmulPass()] if self.device == "cpu" else []
+        return fused + super().kernel_choice_passes()

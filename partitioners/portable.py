@@ -9,7 +9,10 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from kvexport.partitioners.base import Partitioner
 from kvexport.passes.base import Pass
 from kvexport.passes.check_step_width import CheckStepWidthPass
+from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
+from kvexport.passes.quantized_weights import GatherRowsBeforeDequantizePass
 from kvexport.passes.remove_noops import RemoveNoOpsPass
+from kvexport.passes.weight_stationary_linear import WeightStationaryLinearPass
 
 
 class _EveryOp(OperatorSupportBase):
@@ -19,9 +22,14 @@ class _EveryOp(OperatorSupportBase):
 
 class PortablePartitioner(Partitioner):
     backend_id = "portable"
+    device = "cpu"
 
     def edge_transform_passes(self) -> list[Pass]:
-        return [RemoveNoOpsPass()]
+        return [GatherRowsBeforeDequantizePass(), DecomposeCustomOpsPass(), RemoveNoOpsPass(), *self.kernel_choice_passes()]
+
+    def kernel_choice_passes(self) -> list[Pass]:
+        """The passes that pick how products run on this backend's device."""
+        return [WeightStationaryLinearPass()] if self.device == "cpu" else []
 
     def operator_support(self) -> OperatorSupportBase:
         return _EveryOp()

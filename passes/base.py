@@ -38,6 +38,26 @@ class Pass:
         return graph_module, modified
 
 
+def emit(graph: torch.fx.Graph, like: torch.fx.Node, target, *args, **kwargs) -> torch.fx.Node:
+    """Inserts `target(*args, **kwargs)` at the graph's insertion point, with
+    the metadata of `like` (the node it replaces: source location, module
+    stack) and its own value computed from its inputs' fake values."""
+    new = graph.call_function(target, args, kwargs)
+    new.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")})
+    args, kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
+    new.meta["val"] = target(*args, **kwargs)
+    return new
+
+
+def emit_shape(graph: torch.fx.Graph, like: torch.fx.Node, of: torch.fx.Node) -> list:
+    """The shape of `of` as a size argument: its static dims as ints, each
+    dynamic dim read from it with a sym_size node."""
+    return [
+        d if isinstance(d, int) else emit(graph, like, torch.ops.aten.sym_size.int, of, i)
+        for i, d in enumerate(of.meta["val"].shape)
+    ]
+
+
 def run_passes(
     graph_module: torch.fx.GraphModule, passes: Sequence[Pass], method: str
 ) -> tuple[torch.fx.GraphModule, list[str]]:

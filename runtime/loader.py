@@ -24,7 +24,6 @@ from kvexport.runtime import manifest as mf
 from kvexport.runtime import torch_compat
 from kvexport.runtime.errors import PackageError
 from kvexport.runtime.package import PackageReader
-from kvexport.runtime.subclass import unflatten
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +92,7 @@ class LoadedPackage:
         self.tensors: dict[str, torch.Tensor] = load_file(reader.weights_path, device=self.device)
         log.debug("loaded %d weight tensors in %.2f s", len(self.tensors), time.perf_counter() - start)
         self.aliases: dict[str, str] = self.manifest.get("weights", {}).get("aliases", {})
-        self.state: dict[str, torch.Tensor] = {}
-        self.subclasses: dict[str, dict] = self.manifest.get("weights", {}).get("subclasses", {})  # runtime-owned tensors a program binds (ingraph_kv's cache)
+        self.state: dict[str, torch.Tensor] = {}  # runtime-owned tensors a program binds (ingraph_kv's cache)
         self._parameters: dict[str, torch.nn.Parameter] = {}
         self._methods: dict[str, Callable] = {}
 
@@ -160,9 +158,6 @@ class LoadedPackage:
 
     def _tensor(self, method: str, key: str) -> torch.Tensor:
         key = self.aliases.get(key, key)
-        if key not in self.tensors and key in self.subclasses:
-            # quantized weights: rebuilt once from their inner tensors (runtime/subclass.py)
-            self.tensors[key] = unflatten(key, self.subclasses[key], self.tensors)
         if key not in self.tensors:
             raise PackageError(f"methods.{method}.weights: tensor {key!r} is not in {self.reader.weights_path.name}")
         return self.tensors[key]

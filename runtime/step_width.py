@@ -47,6 +47,8 @@ class GraphView:
             for op, outputs in self.uses.get(value, []):
                 if found(op, outputs):
                     return True
+                if any(k in op for k in _INDEX_OPS):
+                    continue  # what an index op returns is the table's values, not the index's (an int8 weight's rows)
                 for out in outputs:
                     if out not in seen and self.dtypes.get(out) in INT_DTYPES:
                         seen.add(out)

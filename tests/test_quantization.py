@@ -1,11 +1,14 @@
-"""torchao weight quantization (portable backend): tokens equal the same
+"""torchao weight quantization on both backends: tokens equal the same
 model quantized eagerly, batching holds, the coverage report names every
-linear and embedding, weights are stored without pickle."""
+linear and embedding, weights are stored as plain tensors and a package runs
+without torchao or pickle."""
 
 from __future__ import annotations
 
 import json
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -27,22 +30,24 @@ SCHEMES = ("8w", "4w", "8da4w")
 def quantized(tmp_path_factory):
     cache = {}
 
-    def get(model: str, scheme: str, **extra):
-        key = (model, scheme, tuple(sorted(extra.items())))
+    def get(model: str, scheme: str, backend: str = "portable", **extra):
+        key = (model, scheme, backend, tuple(sorted(extra.items())))
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"{model}-{scheme}") / "pkg"
-            cache[key] = export_tiny(model, out, qlinear=scheme, qembedding="8w", **extra).path
+            out = tmp_path_factory.mktemp(f"{model}-{scheme}-{backend}") / "pkg"
+            cache[key] = export_tiny(model, out, qlinear=scheme, qembedding="8w", backend=backend, **extra).path
         return cache[key]
 
     return get
 
 
+@pytest.mark.parametrize(
+    "model,backend", [("tiny-llama", "portable"), ("tiny-qwen2", "portable"), ("tiny-llama", "aoti")]
+)
 @pytest.mark.parametrize("scheme", SCHEMES)
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2"])
-def test_tokens_equal_the_eagerly_quantized_model(quantized, model, scheme):
+def test_tokens_equal_the_eagerly_quantized_model(quantized, model, scheme, backend):
     eager = load_model(model).model
     quantize_model(eager, scheme, 0, "8w")
-    runtime = load(quantized(model, scheme))
+    runtime = load(quantized(model, scheme, backend))
     prompts = [prompt_of(5, seed=1), prompt_of(30, seed=2), prompt_of(12, seed=3)]
     want = [hf_greedy(eager, p, 32) for p in prompts]
     assert [generate(runtime, [p], 32)[0] for p in prompts] == want  # alone
@@ -59,8 +64,10 @@ def test_coverage_names_every_linear_and_embedding(quantized):
     assert all(r["scheme"] or r["skipped"] for r in rows)  # nothing skipped silently
     assert {r["scheme"] for r in rows if r["kind"] == "linear"} == {"4w"}
     assert [r["scheme"] for r in rows if r["kind"] == "embedding"] == ["8w"]
-    tied = json.loads((quantized("tiny-llama", "8w") / "manifest.json").read_text())["quantization"]["coverage"]
-    assert any("tied with" in (r["skipped"] or "") for r in tied)
+    tied = {r["module"]: r for r in json.loads((quantized("tiny-llama", "4w") / "manifest.json").read_text())["quantization"]["coverage"]}
+    assert "tied with model.embed_tokens.weight" in tied["lm_head"]["skipped"]  # 4-bit head, 8-bit table: not one matrix
+    shared = {r["module"]: r for r in json.loads((quantized("tiny-llama", "8w") / "manifest.json").read_text())["quantization"]["coverage"]}
+    assert shared["lm_head"]["scheme"] == "8w" and shared["lm_head"]["shared_with"] == "model.embed_tokens"
     assert validate_package(path).ok
     assert "quantization: qlinear 4w" in CliRunner().invoke(main, ["inspect", str(path)]).stdout
 
@@ -72,24 +79,46 @@ def test_width_not_divisible_by_the_group_is_reported(tmp_path):
     assert all(r["skipped"] and "not divisible by the group size 128" in r["skipped"] for r in linears if r["shape"][1] % 128)
 
 
-def test_quantized_weights_are_stored_plain_and_loaded_without_pickle(quantized, tiny_package, monkeypatch):
-    path = quantized("tiny-qwen2", "8w")
+def test_quantized_weights_are_stored_plain_once(quantized, tiny_package):
+    path = quantized("tiny-llama", "8w")
     manifest = json.loads((path / "manifest.json").read_text())
-    records = manifest["weights"]["subclasses"]
-    assert records and all(r["class"].startswith("torchao.quantization.") for r in records.values())
+    rows = {r["module"]: r for r in manifest["quantization"]["coverage"]}
     with safe_open(str(path / "weights.safetensors"), "pt") as f:
-        name = next(iter(records))
-        assert f.get_tensor(records[name]["inner"]["qdata"]).dtype == torch.int8
-    fp32 = json.loads((tiny_package("tiny-qwen2") / "manifest.json").read_text())["files"]["weights.safetensors"]["bytes"]
-    assert manifest["files"]["weights.safetensors"]["bytes"] < 0.4 * fp32  # int8 weights and embeddings, once
+        stored = set(f.keys())
+        for row in rows.values():
+            assert f.get_tensor(row["stored"]["qdata"]).dtype == torch.int8
+            assert f.get_tensor(row["stored"]["scale"]).dtype == torch.float32
+    assert rows["lm_head"]["stored"] == rows["model.embed_tokens"]["stored"]  # the tied head is the table
+    assert not any(name.startswith("lm_head.") for name in stored)  # stored once, the head's names are aliases
+    assert {a for a in manifest["weights"]["aliases"] if a.startswith("lm_head.")}
+    fp32 = json.loads((tiny_package("tiny-llama") / "manifest.json").read_text())["files"]["weights.safetensors"]["bytes"]
+    assert manifest["files"]["weights.safetensors"]["bytes"] < 0.3 * fp32
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("unpickling")
 
-    for attr in ("load", "loads", "Unpickler"):
-        monkeypatch.setattr(pickle, attr, refuse)
-    monkeypatch.setattr(torch, "load", refuse)
-    assert len(generate(load(path), [prompt_of(7, seed=5)], 4, stop_at_eos=False)[0]) == 4
+RUN_WITHOUT_TORCHAO_OR_PICKLE = """
+import pickle, sys, torch
+sys.modules["torchao"] = None  # importing it fails
+from kvexport.runtime import generate, load
+def refuse(*args, **kwargs):
+    raise AssertionError("unpickling")
+class Refused(pickle.Unpickler):
+    __init__ = refuse
+pickle.load = pickle.loads = torch.load = refuse
+pickle.Unpickler = Refused
+print(generate(load(sys.argv[1]), [[5, 6, 7, 8]], 4, stop_at_eos=False)[0])
+"""
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_a_quantized_package_runs_without_torchao_or_pickle(quantized, scheme):
+    eager = load_model("tiny-llama").model
+    quantize_model(eager, scheme, 0, "8w")
+    run = subprocess.run(
+        [sys.executable, "-c", RUN_WITHOUT_TORCHAO_OR_PICKLE, str(quantized("tiny-llama", scheme))],
+        capture_output=True, text=True,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == hf_greedy(eager, [5, 6, 7, 8], 4)
 
 
 def test_min_prefill_chunk(quantized):
@@ -112,7 +141,6 @@ def test_min_prefill_chunk(quantized):
         (dict(qlinear="4w", qlinear_group_size=-32), "--qlinear-group-size must be a positive power of two"),
         (dict(qembedding="4w"), "--qembedding must be 8w"),
         (dict(min_prefill_chunk=0), "--min-prefill-chunk must be in 1..--max-step-tokens"),
-        (dict(qlinear="8w", backend="aoti"), "portable-only so far"),
     ],
 )
 def test_bad_quantization_flags(tmp_path, flags, message):

@@ -1,0 +1,82 @@
+"""DecomposeCustomOpsPass: replaces calls to custom operators that have a
+decomposition (torchao's quantize/dequantize/choose_qparams, registered as
+CompositeImplicitAutograd) with the ATen operations they decompose into.
+
+Export keeps such operators as single nodes; inlining them makes a package
+need nothing but torch to run (the runtime never imports torchao), lets the
+other passes see the arithmetic, and lets AOTInductor fuse it.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+import torch.utils._pytree as pytree
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from kvexport.passes.base import Pass
+
+NAMESPACES = ("torchao",)
+
+
+def _is_custom(node: torch.fx.Node) -> bool:
+    target = node.target
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and target.namespace in NAMESPACES
+    )
+
+
+def _traced_decomposition(node: torch.fx.Node) -> tuple[torch.fx.GraphModule, list[torch.fx.Node]]:
+    """The node's decomposition as a graph over its tensor inputs."""
+    flat, spec = pytree.tree_flatten((node.args, node.kwargs))
+    positions = [i for i, a in enumerate(flat) if isinstance(a, torch.fx.Node)]
+
+    def decomposed(*tensors):
+        values = list(flat)
+        for i, t in zip(positions, tensors):
+            values[i] = t
+        args, kwargs = pytree.tree_unflatten(values, spec)
+        return node.target.decompose(*args, **kwargs)
+
+    fakes = [flat[i].meta["val"] for i in positions]
+    return make_fx(decomposed, tracing_mode="real")(*fakes), [flat[i] for i in positions]
+
+
+class DecomposeCustomOpsPass(Pass):
+    name = "decompose_custom_ops"
+
+    def call(self, graph_module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, bool]:
+        graph = graph_module.graph
+        found = [n for n in graph.nodes if _is_custom(n)]
+        for node in found:
+            sub, inputs = _traced_decomposition(node)
+            placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+            env = dict(zip(placeholders, inputs))
+            with graph.inserting_before(node):
+                for sub_node in sub.graph.nodes:
+                    if sub_node.op in ("placeholder", "output"):
+                        continue
+                    new = graph.node_copy(sub_node, lambda n: env[n])
+                    new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
+                    new.meta["val"] = sub_node.meta.get("val")
+                    env[sub_node] = new
+            result = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+            replacement = pytree.tree_map(lambda n: env[n] if isinstance(n, torch.fx.Node) else n, result)
+            if isinstance(replacement, (tuple, list)):
+                for user in list(node.users):
+                    if user.target is operator.getitem:
+                        user.replace_all_uses_with(replacement[user.args[1]])
+                        graph.erase_node(user)
+            else:
+                node.replace_all_uses_with(replacement)
+            graph.erase_node(node)
+        return graph_module, bool(found)
+
+    def ensures(self, graph_module: torch.fx.GraphModule) -> None:
+        left = [n.name for n in graph_module.graph.nodes if _is_custom(n)]
+        if left:
+            raise AssertionError(f"custom ops left: {left[:5]}")

@@ -1,0 +1,93 @@
+"""WeightStationaryLinearPass: computes a linear over a few rows as
+`W @ x.T` instead of `x @ W.T`, for CPU backends.
+
+Both are one matrix product over the same numbers; what changes is which
+operand the BLAS streams. With MKL (the CPU wheel's BLAS) `x @ W.T` over 2-8
+rows packs the whole weight matrix on every call, and a single row goes to a
+matrix-vector product that reads weights at about half the memory bandwidth.
+`W @ x.T` streams the weights once, at full bandwidth, for 2-4 rows; a single
+row is padded to two to take that path. `bench/linear_layout.py` measures
+both layouts for a model's weight shapes on the machine at hand.
+
+Only static row counts up to `max_rows` are rewritten: over many rows (a
+prefill) both layouts are compute-bound and alike, and a dynamic count could
+not choose the padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+from kvexport.passes.base import Pass, emit
+
+aten = torch.ops.aten
+_LINEAR = aten.linear.default
+
+
+def _plain_weight(node: torch.fx.Node) -> bool:
+    """A 2-D fp32 weight (the layouts were measured for fp32 products; bf16
+    ones go to other kernels)."""
+    val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+    return type(val) is FakeTensor and val.dim() == 2 and val.dtype == torch.float32
+
+
+def _static_rows(x: torch.fx.Node) -> int | None:
+    val = x.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() < 1:
+        return None
+    lead = val.shape[:-1]
+    if not all(isinstance(d, int) for d in lead):
+        return None
+    return math.prod(lead)
+
+
+class WeightStationaryLinearPass(Pass):
+    name = "weight_stationary_linear"
+
+    def __init__(self, max_rows: int = 8):
+        self.max_rows = max_rows
+
+    def _candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+        found = []
+        for node in graph_module.graph.nodes:
+            if node.target is not _LINEAR or not _plain_weight(node.args[1]):
+                continue
+            rows = _static_rows(node.args[0])
+            if rows is not None and 1 <= rows <= self.max_rows:
+                found.append(node)
+        return found
+
+    def call(self, graph_module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, bool]:
+        graph = graph_module.graph
+        candidates = self._candidates(graph_module)
+        for node in candidates:
+            x, weight = node.args[0], node.args[1]
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            x_val = x.meta["val"]
+            rows, width = _static_rows(x), x_val.shape[-1]
+            out_features = weight.meta["val"].shape[0]
+
+            with graph.inserting_before(node):
+                flat = emit(graph, node, aten.reshape.default, x, [rows, width])
+                if rows == 1:
+                    flat = emit(graph, node, aten.constant_pad_nd.default, flat, [0, 0, 0, 1])
+                columns = emit(graph, node, aten.mm.default, weight, emit(graph, node, aten.t.default, flat))
+                if bias is not None:
+                    columns = emit(graph, node, aten.add.Tensor, columns, emit(graph, node, aten.unsqueeze.default, bias, 1))
+                out = emit(graph, node, aten.t.default, columns)
+                if rows == 1:
+                    out = emit(graph, node, aten.slice.Tensor, out, 0, 0, 1)
+                out = emit(graph, node, aten.clone.default, out, memory_format=torch.contiguous_format)
+                out = emit(graph, node, aten.reshape.default, out, [*x_val.shape[:-1], out_features])
+            node.replace_all_uses_with(out)
+            graph.erase_node(node)
+        return graph_module, bool(candidates)
+
+    def ensures(self, graph_module: torch.fx.GraphModule) -> None:
+        left = self._candidates(graph_module)
+        if left:
+            raise AssertionError(f"linears left in the row-major layout: {[n.name for n in left[:5]]}")

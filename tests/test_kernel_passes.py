@@ -1,0 +1,108 @@
+"""The passes that choose how products and lookups run: each rewrites what
+it promises, leaves alone what it must, and keeps the program's results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from kvexport.exporter.quantize import plain_weights, quantize_model
+from kvexport.passes.base import run_passes
+from kvexport.passes.check_step_width import USER_INPUTS_META
+from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
+from kvexport.passes.quantized_weights import FusedDequantizeMatmulPass, GatherRowsBeforeDequantizePass
+from kvexport.passes.weight_stationary_linear import WeightStationaryLinearPass
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 64)
+        self.up = nn.Linear(64, 96, bias=True)
+        self.down = nn.Linear(96, 64, bias=False)
+
+    def forward(self, tokens):
+        return self.down(torch.relu(self.up(self.embed(tokens))))
+
+
+def exported(module: nn.Module, tokens: torch.Tensor, dynamic: bool = False) -> torch.export.ExportedProgram:
+    shapes = ({1: torch.export.Dim("T", min=2, max=16)},) if dynamic else None
+    program = torch.export.export(module, (tokens,), dynamic_shapes=shapes, strict=False)
+    program.graph_module.meta[USER_INPUTS_META] = list(program.graph_signature.user_inputs)
+    return program
+
+
+def targets(program: torch.export.ExportedProgram) -> list:
+    return [n.target for n in program.graph.nodes if n.op == "call_function"]
+
+
+def tokens_of(rows: int) -> torch.Tensor:
+    return torch.arange(rows).reshape(1, rows) * 7 % 50
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_weight_stationary_linear_rewrites_static_rows_and_keeps_results(rows):
+    torch.manual_seed(0)
+    block, tokens = Block().eval(), tokens_of(rows)
+    program = exported(block, tokens)
+    run_passes(program.graph_module, [WeightStationaryLinearPass()], "m")
+    ops = targets(program)
+    assert torch.ops.aten.linear.default not in ops and ops.count(torch.ops.aten.mm.default) == 2
+    assert (torch.ops.aten.constant_pad_nd.default in ops) == (rows == 1)  # one row is padded to two
+    torch.testing.assert_close(program.module()(tokens), block(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_weight_stationary_linear_leaves_dynamic_and_wide_products():
+    block = Block().eval()
+    dynamic = exported(block, tokens_of(4), dynamic=True)
+    wide = exported(block, tokens_of(12))
+    for program in (dynamic, wide):
+        run_passes(program.graph_module, [WeightStationaryLinearPass(max_rows=8)], "m")
+        assert targets(program).count(torch.ops.aten.linear.default) == 2
+
+
+def quantized_block(scheme: str) -> nn.Module:
+    torch.manual_seed(0)
+    block = Block().eval()
+    quantize_model(block, scheme, 0, "8w")
+    return block
+
+
+@pytest.mark.parametrize("scheme", ["8w", "4w", "8da4w"])
+def test_quantized_products_fuse_for_static_rows_and_keep_results(scheme):
+    block, tokens = quantized_block(scheme), tokens_of(4)
+    want = block(tokens)
+    plain_weights(block)
+    program = exported(block, tokens)
+    passes = [GatherRowsBeforeDequantizePass(), DecomposeCustomOpsPass(), FusedDequantizeMatmulPass()]
+    run_passes(program.graph_module, passes, "m")
+    ops = targets(program)
+    assert not {torch.ops.aten.mm.default, torch.ops.aten.linear.default} & set(ops)
+    assert ops.count(torch.ops.aten.sum.dim_IntList) == 2
+    assert all(getattr(op, "namespace", "aten") != "torchao" for op in ops)  # runs on torch alone
+    torch.testing.assert_close(program.module()(tokens), want, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_products_keep_the_matrix_product_for_dynamic_rows():
+    block = quantized_block("8w")
+    plain_weights(block)
+    program = exported(block, tokens_of(4), dynamic=True)
+    run_passes(program.graph_module, [DecomposeCustomOpsPass(), FusedDequantizeMatmulPass()], "m")
+    assert torch.ops.aten.sum.dim_IntList not in targets(program)
+
+
+def test_quantized_lookup_dequantizes_only_the_gathered_rows():
+    block, tokens = quantized_block("8w"), tokens_of(6)
+    want = block(tokens)
+    plain_weights(block)
+    program = exported(block, tokens, dynamic=True)
+    run_passes(program.graph_module, [GatherRowsBeforeDequantizePass()], "m")
+    dequantized = [n for n in program.graph.nodes if getattr(n.target, "namespace", "") == "torchao"]
+    inputs = [n.kwargs.get("input", n.args[0] if n.args else None) for n in dequantized]
+    assert not any("embed" in i.name for i in inputs if i.op == "placeholder")  # never the whole table
+    (gathered,) = [i for i in inputs if i.target is torch.ops.aten.embedding.default]
+    assert gathered.meta["val"].dtype == torch.int8
+    for rows in (3, 6, 11):
+        torch.testing.assert_close(program.module()(tokens_of(rows)), block(tokens_of(rows)), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(program.module()(tokens), want, rtol=1e-5, atol=1e-5)
