@@ -21,8 +21,8 @@ DEFAULT_GROUP_4BIT = 32
 
 def _linear_config(scheme: str, group_size: int) -> Any:
     """torchao's intx configs, asymmetric: on SmolLM2 they agree with fp32
-    more often than the symmetric ones (bench/quant.py; the numbers are in
-    the README)."""
+    more often than the symmetric ones and Int8WeightOnlyConfig
+    (bench/quant_variants.py)."""
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
     from torchao.quantization.granularity import PerAxis, PerGroup
     from torchao.quantization.quant_primitives import MappingType
@@ -46,36 +46,36 @@ def _embedding_config() -> Any:
 
 def quantize_model(model: nn.Module, qlinear: str, group_size: int, qembedding: str) -> list[dict[str, Any]]:
     """Quantizes in place with torchao; returns one coverage row per linear
-    and embedding. An LM head tied to the embedding shares the embedding's
-    int8 per-row weight when both ask for 8w (its rows are the output
-    channels, so one stored matrix serves both); other tied weights are
-    skipped, since quantizing one would untie them and store both."""
+    and embedding. With `--qembedding 8w`, an LM head tied to the embedding
+    shares the embedding's int8 per-row table whatever `--qlinear` asks for
+    (its rows are the output channels, so one stored matrix serves both; a
+    4-bit head would need a second copy). Other tied weights are skipped,
+    since quantizing one would untie them and store both."""
     from torchao.quantization import quantize_
 
     modules = {fqn: m for fqn, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
     owners: dict[int, list[str]] = {}
     for fqn, module in modules.items():
-        owners.setdefault(module.weight.data_ptr(), []).append(fqn)
+        owners.setdefault(id(module.weight), []).append(fqn)
     rows, linears, embeddings, shared = [], set(), set(), {}
     for fqn, module in modules.items():
         kind = "linear" if isinstance(module, nn.Linear) else "embedding"
         scheme = qlinear if kind == "linear" else qembedding
         row = {"module": fqn, "kind": kind, "shape": list(module.weight.shape), "scheme": None, "skipped": None}
-        tied = [o for o in owners[module.weight.data_ptr()] if o != fqn]
-        shares = _shared_tie([fqn, *tied], modules) if qlinear == qembedding == "8w" else None
+        tied = [o for o in owners[id(module.weight)] if o != fqn]
+        shares = _shared_tie([fqn, *tied], modules) if qlinear and qembedding == "8w" else None
         group = (group_size or (DEFAULT_GROUP_4BIT if scheme in ("4w", "8da4w") else 0)) if kind == "linear" else 0
         if not scheme:
             row["skipped"] = f"no --q{kind} scheme asked for"
         elif tied and not shares:
             row["skipped"] = f"tied with {tied[0]}.weight (quantizing one would untie and store it twice)"
         elif kind == "linear" and shares:
-            row["scheme"] = "8w"
-            row["shared_with"] = shares
+            row.update(scheme="8w", granularity="per row", shared_with=shares)
             shared[fqn] = shares
         elif group and module.weight.shape[1] % group:
             row["skipped"] = f"width {module.weight.shape[1]} is not divisible by the group size {group}"
         else:
-            row["scheme"] = scheme
+            row.update(scheme=scheme, granularity=f"per group of {group}" if group else "per row")
             (linears if kind == "linear" else embeddings).add(fqn)
         rows.append(row)
     if linears:
@@ -95,22 +95,61 @@ def _shared_tie(group: list[str], modules: dict[str, nn.Module]) -> str | None:
     return embeddings[0] if len(embeddings) == 1 else None
 
 
+INT4_PACKING = "int4 two a byte: a row's first half in the low nibbles, its second half in the high ones, each value + 8"
+
+
+class PackedInt4(nn.Module):
+    """Parametrization of a 4-bit torchao weight (IntxUnpackedToInt8Tensor,
+    which holds one value a byte): stores its values two a byte and
+    unpacks them when the module runs, so the package holds and reads half
+    the bytes. Lossless."""
+
+    def right_inverse(self, weight: torch.Tensor) -> list[torch.Tensor]:
+        self.rebuild = (type(weight), weight.target_dtype, weight.block_size, weight.dtype, weight.activation_quantization)
+        values = (weight.qdata + 8).to(torch.uint8)  # [-8, 7] -> [0, 15]
+        half = values.shape[-1] // 2
+        return [values[:, :half] | (values[:, half:] << 4), weight.scale, weight.zero_point]
+
+    def forward(self, packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+        qdata = torch.cat([packed & 15, packed >> 4], dim=-1).to(torch.int8) - 8
+        cls, target_dtype, block_size, dtype, activation_quantization = self.rebuild
+        return cls(qdata, scale, zero_point, target_dtype, block_size, dtype, activation_quantization)
+
+
+def _packs_int4(weight: torch.Tensor) -> bool:
+    return (
+        type(weight).__name__ == "IntxUnpackedToInt8Tensor"
+        and weight.target_dtype == torch.int4
+        and weight.dim() == 2
+        and weight.shape[-1] % 2 == 0
+    )
+
+
 def plain_weights(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """Replaces every quantized (torchao tensor subclass) weight with its
-    plain inner tensors, held by torchao's unwrapping parametrization and
-    turned back into the subclass when the module runs, so tracing records
-    torchao's own arithmetic on plain tensors. Returns, per quantized
-    weight, its class and its inner tensors by role (qdata, scale,
-    zero_point, ...)."""
+    """Replaces every quantized (torchao tensor subclass) weight with plain
+    tensors, held by a parametrization that turns them back into the
+    subclass when the module runs, so tracing records torchao's own
+    arithmetic on plain tensors: 4-bit weights packed two a byte
+    (PackedInt4), others as torchao's inner tensors (its unwrapping
+    parametrization). Returns, per quantized weight, its class, packing and
+    stored tensors by role (qdata, scale, zero_point, ...)."""
+    from torch.nn.utils import parametrize
     from torchao.utils import unwrap_tensor_subclass
 
     layout: dict[str, dict[str, Any]] = {}
     for fqn, module in model.named_modules():
         weight = module._parameters.get("weight")
-        if weight is not None and hasattr(weight, "__tensor_flatten__") and type(weight) is not nn.Parameter:
+        if weight is None or not hasattr(weight, "__tensor_flatten__") or type(weight) is nn.Parameter:
+            continue
+        if _packs_int4(weight):
+            parametrize.register_parametrization(module, "weight", PackedInt4())
+            packed = module.parametrizations.weight.original0
+            layout[f"{fqn}.weight"] = {"class": type(weight).__name__, "packing": INT4_PACKING, "qdata": packed,
+                                       "scale": weight.scale, "zero_point": weight.zero_point}
+        else:
             names, _ = weight.__tensor_flatten__()
             layout[f"{fqn}.weight"] = {"class": type(weight).__name__} | {n: getattr(weight, n) for n in names}
-    unwrap_tensor_subclass(model)
+    unwrap_tensor_subclass(model)  # skips the modules parametrized above
     return layout
 
 

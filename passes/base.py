@@ -6,6 +6,7 @@ fails."""
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch.fx
@@ -38,12 +39,15 @@ class Pass:
         return graph_module, modified
 
 
+SOURCE_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "from_node", "torch_fn")
+
+
 def emit(graph: torch.fx.Graph, like: torch.fx.Node, target, *args, **kwargs) -> torch.fx.Node:
     """Inserts `target(*args, **kwargs)` at the graph's insertion point, with
-    the metadata of `like` (the node it replaces: source location, module
-    stack) and its own value computed from its inputs' fake values."""
+    the source metadata of `like` (the node it replaces: source location,
+    module stack) and its own value computed from its inputs' fake values."""
     new = graph.call_function(target, args, kwargs)
-    new.meta.update({k: v for k, v in like.meta.items() if k not in ("val", "tensor_meta")})
+    new.meta.update({k: like.meta[k] for k in SOURCE_META if k in like.meta})
     args, kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
     new.meta["val"] = target(*args, **kwargs)
     return new
@@ -56,6 +60,22 @@ def emit_shape(graph: torch.fx.Graph, like: torch.fx.Node, of: torch.fx.Node) ->
         d if isinstance(d, int) else emit(graph, like, torch.ops.aten.sym_size.int, of, i)
         for i, d in enumerate(of.meta["val"].shape)
     ]
+
+
+def arguments(node: torch.fx.Node) -> dict:
+    """An operator call's arguments by schema name, however they were passed."""
+    names = [a.name for a in node.target._schema.arguments]
+    return dict(zip(names, node.args)) | dict(node.kwargs)
+
+
+def static_rows(x: torch.fx.Node) -> int | None:
+    """How many rows a product over `x` has (all dims but the last), when
+    that is known at export time."""
+    val = x.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dim() < 1:
+        return None
+    lead = val.shape[:-1]
+    return math.prod(lead) if all(isinstance(d, int) for d in lead) else None
 
 
 def run_passes(

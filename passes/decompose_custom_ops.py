@@ -16,7 +16,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from kvexport.passes.base import Pass
+from kvexport.passes.base import SOURCE_META, Pass
 
 NAMESPACES = ("torchao",)
 
@@ -40,7 +40,10 @@ def _traced_decomposition(node: torch.fx.Node) -> tuple[torch.fx.GraphModule, li
         for i, t in zip(positions, tensors):
             values[i] = t
         args, kwargs = pytree.tree_unflatten(values, spec)
-        return node.target.decompose(*args, **kwargs)
+        result = node.target.decompose(*args, **kwargs)
+        if result is NotImplemented:
+            raise AssertionError(f"{node.target} has no decomposition into ATen operations")
+        return result
 
     fakes = [flat[i].meta["val"] for i in positions]
     return make_fx(decomposed, tracing_mode="real")(*fakes), [flat[i] for i in positions]
@@ -61,16 +64,17 @@ class DecomposeCustomOpsPass(Pass):
                     if sub_node.op in ("placeholder", "output"):
                         continue
                     new = graph.node_copy(sub_node, lambda n: env[n])
-                    new.meta.update({k: v for k, v in node.meta.items() if k not in ("val", "tensor_meta")})
+                    new.meta.update({k: node.meta[k] for k in SOURCE_META if k in node.meta})
                     new.meta["val"] = sub_node.meta.get("val")
                     env[sub_node] = new
             result = next(n for n in sub.graph.nodes if n.op == "output").args[0]
             replacement = pytree.tree_map(lambda n: env[n] if isinstance(n, torch.fx.Node) else n, result)
             if isinstance(replacement, (tuple, list)):
+                if any(user.target is not operator.getitem for user in node.users):
+                    raise AssertionError(f"{node.name} returns several values and is used whole")
                 for user in list(node.users):
-                    if user.target is operator.getitem:
-                        user.replace_all_uses_with(replacement[user.args[1]])
-                        graph.erase_node(user)
+                    user.replace_all_uses_with(replacement[user.args[1]])
+                    graph.erase_node(user)
             else:
                 node.replace_all_uses_with(replacement)
             graph.erase_node(node)
@@ -78,5 +82,8 @@ class DecomposeCustomOpsPass(Pass):
 
     def ensures(self, graph_module: torch.fx.GraphModule) -> None:
         left = [n.name for n in graph_module.graph.nodes if _is_custom(n)]
+        symbolic = [n.name for n in graph_module.graph.nodes if any(isinstance(a, torch.SymInt) for a in pytree.tree_leaves((n.args, n.kwargs)))]
+        if symbolic:  # a size must come from a sym_size node, or the graph cannot be stored
+            raise AssertionError(f"nodes with bare symbolic sizes: {symbolic[:5]}")
         if left:
             raise AssertionError(f"custom ops left: {left[:5]}")

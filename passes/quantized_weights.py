@@ -7,62 +7,62 @@ weight dequantized per row dequantizes the whole table on every call; it
 gathers the selected rows of the stored tensors first and dequantizes those
 only. Runs before DecomposeCustomOpsPass, on torchao's dequantize node.
 
-FusedDequantizeMatmulPass (compiling CPU backends): a product of a few rows
+FusedDequantizeMatmulPass (AOTInductor on the CPU): a product of a few rows
 with a weight dequantized at run time is written as a multiply and a sum
 over the input width, so the compiler fuses the dequantization into the
 product and reads the integers once; as a matrix product it would write the
 dequantized weight out in full first (4 x the bytes of an int8 weight, on
 every call). Only static row counts up to `max_rows`; a prefill keeps the
-matrix product, where the dequantization is shared by many rows.
+matrix product, where the dequantization is shared by many rows. Needs a
+compiler: run eagerly, the multiply would materialize rows x out x in floats.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.fx
 
-from kvexport.passes.base import Pass, emit, emit_shape
+from kvexport.passes.base import Pass, arguments, emit, emit_shape, static_rows
 from kvexport.passes.check_step_width import USER_INPUTS_META
 
 aten = torch.ops.aten
+STORED_INTEGERS = (torch.int8, torch.uint8)
 
 
-def _dequantize_op():
-    return getattr(getattr(torch.ops, "torchao", None), "dequantize_affine", None)
+def _is_dequantize(node: object) -> bool:
+    target = getattr(node, "target", None)
+    return getattr(target, "namespace", None) == "torchao" and target.__name__.startswith("dequantize_affine")
+
+
+def _per_row(dequantize: torch.fx.Node) -> bool:
+    """Whether each row of the dequantized table depends on that row of
+    the stored tensors only (blocks one row high)."""
+    block = list(arguments(dequantize)["block_size"])
+    return len(block) == 2 and block[0] == 1
 
 
 class GatherRowsBeforeDequantizePass(Pass):
     name = "gather_rows_before_dequantize"
 
     def _candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
-        op = _dequantize_op()
-        if op is None:
-            return []
-        found = []
-        for node in graph_module.graph.nodes:
-            if node.target is not aten.embedding.default:
-                continue
-            weight = node.args[0]
-            if isinstance(weight, torch.fx.Node) and weight.target is op.default and list(weight.args[1])[0] == 1:
-                found.append(node)
-        return found
+        return [
+            n for n in graph_module.graph.nodes
+            if n.target is aten.embedding.default and _is_dequantize(n.args[0]) and _per_row(n.args[0])
+        ]
 
     def call(self, graph_module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, bool]:
         graph = graph_module.graph
         candidates = self._candidates(graph_module)
         for node in candidates:
             dequantize, indices = node.args[0], node.args[1]
-            names = [a.name for a in dequantize.target._schema.arguments]
-            arguments = dict(zip(names, dequantize.args)) | dict(dequantize.kwargs)
+            given = arguments(dequantize)
             width = dequantize.meta["val"].shape[-1]
             with graph.inserting_before(node):
                 flat = emit(graph, node, aten.reshape.default, indices, [-1])
-                for name in ("input", "scale", "zero_point"):  # the per-row tensors
-                    if arguments.get(name) is not None:
-                        arguments[name] = emit(graph, node, aten.embedding.default, arguments[name], flat)
-                values = emit(graph, node, dequantize.target, **arguments)
+                for name in ("input", "scale", "zero_point"):  # 2-D tables, a row per token
+                    if given.get(name) is not None:
+                        given[name] = emit(graph, node, aten.embedding.default, given[name], flat)
+                values = emit(graph, node, dequantize.target, **given)
                 out = emit(graph, node, aten.reshape.default, values, [*emit_shape(graph, node, indices), width])
             node.replace_all_uses_with(out)
             graph.erase_node(node)
@@ -70,28 +70,31 @@ class GatherRowsBeforeDequantizePass(Pass):
                 graph.erase_node(dequantize)
         return graph_module, bool(candidates)
 
-
-def _from_stored_tensors(node: torch.fx.Node, user_inputs: set[str]) -> bool:
-    """Whether a value is computed from stored tensors only (no user input
-    reaches it) with an integer tensor among them: a dequantized weight."""
-    seen, todo, integer = set(), [node], False
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            if n.name in user_inputs:
-                return False
-            val = n.meta.get("val")
-            integer |= isinstance(val, torch.Tensor) and not val.dtype.is_floating_point
-        todo.extend(n.all_input_nodes)
-    return integer and node.op != "placeholder"
+    def ensures(self, graph_module: torch.fx.GraphModule) -> None:
+        left = self._candidates(graph_module)
+        if left:
+            raise AssertionError(f"lookups that dequantize the whole table left: {[n.name for n in left[:5]]}")
 
 
-def _static_rows(x: torch.fx.Node) -> int | None:
-    lead = x.meta["val"].shape[:-1]
-    return math.prod(lead) if all(isinstance(d, int) for d in lead) else None
+def dequantized_weights(graph_module: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The values computed from stored tensors only (no user input reaches
+    them) with a stored integer tensor among those: dequantized weights and
+    the steps on the way. One pass over the graph, in order."""
+    user_inputs = set(graph_module.meta[USER_INPUTS_META])
+    from_inputs: set[torch.fx.Node] = set()
+    from_integers: set[torch.fx.Node] = set()
+    for node in graph_module.graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if node.name in user_inputs:
+                from_inputs.add(node)
+            elif isinstance(val, torch.Tensor) and val.dtype in STORED_INTEGERS:
+                from_integers.add(node)
+        elif any(i in from_inputs for i in node.all_input_nodes):
+            from_inputs.add(node)
+        elif any(i in from_integers for i in node.all_input_nodes):
+            from_integers.add(node)
+    return {n for n in from_integers if n.op != "placeholder"}
 
 
 class FusedDequantizeMatmulPass(Pass):
@@ -101,15 +104,17 @@ class FusedDequantizeMatmulPass(Pass):
         self.max_rows = max_rows
 
     def _candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
-        """linear(x, W [out, in]) and mm(x, W' [in, out]) nodes to rewrite."""
-        user_inputs = set(graph_module.meta.get(USER_INPUTS_META, ()))
+        """linear(x, W [out, in], bias) and mm(x, W' [in, out]) nodes over a
+        dequantized weight and a few rows."""
+        weights = dequantized_weights(graph_module)
         found = []
         for node in graph_module.graph.nodes:
             if node.target not in (aten.linear.default, aten.mm.default):
                 continue
-            x, weight = node.args[0], node.args[1]
-            rows = _static_rows(x)
-            if rows is not None and rows <= self.max_rows and _from_stored_tensors(weight, user_inputs):
+            given = arguments(node)
+            x, weight = (given["input"], given["weight"]) if node.target is aten.linear.default else (given["self"], given["mat2"])
+            rows = static_rows(x)
+            if weight in weights and rows is not None and 1 <= rows <= self.max_rows:
                 found.append(node)
         return found
 
@@ -121,14 +126,16 @@ class FusedDequantizeMatmulPass(Pass):
         graph = graph_module.graph
         candidates = self._candidates(graph_module)
         for node in candidates:
-            x, weight = node.args[0], node.args[1]
-            bias = node.args[2] if node.target is aten.linear.default and len(node.args) > 2 else None
+            given = arguments(node)
+            linear = node.target is aten.linear.default
+            x, weight = (given["input"], given["weight"]) if linear else (given["self"], given["mat2"])
+            bias = given.get("bias") if linear else None
             lead, width = list(x.meta["val"].shape[:-1]), x.meta["val"].shape[-1]
             with graph.inserting_before(node):
-                if node.target is aten.mm.default:  # weight [in, out]: a transposed view, folded by the compiler
+                if not linear:  # weight [in, out]: a transposed view, folded by the compiler
                     weight = emit(graph, node, aten.t.default, weight)
                 out_features = weight.meta["val"].shape[0]
-                columns = emit(graph, node, aten.reshape.default, x, [math.prod(lead), 1, width])
+                columns = emit(graph, node, aten.reshape.default, x, [static_rows(x), 1, width])
                 products = emit(graph, node, aten.mul.Tensor, columns, weight)
                 out = emit(graph, node, aten.sum.dim_IntList, products, [-1])
                 if bias is not None:

@@ -16,13 +16,11 @@ not choose the padding.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from kvexport.passes.base import Pass, emit
+from kvexport.passes.base import Pass, arguments, emit, static_rows
 
 aten = torch.ops.aten
 _LINEAR = aten.linear.default
@@ -35,16 +33,6 @@ def _plain_weight(node: torch.fx.Node) -> bool:
     return type(val) is FakeTensor and val.dim() == 2 and val.dtype == torch.float32
 
 
-def _static_rows(x: torch.fx.Node) -> int | None:
-    val = x.meta.get("val")
-    if not isinstance(val, torch.Tensor) or val.dim() < 1:
-        return None
-    lead = val.shape[:-1]
-    if not all(isinstance(d, int) for d in lead):
-        return None
-    return math.prod(lead)
-
-
 class WeightStationaryLinearPass(Pass):
     name = "weight_stationary_linear"
 
@@ -54,9 +42,9 @@ class WeightStationaryLinearPass(Pass):
     def _candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
         found = []
         for node in graph_module.graph.nodes:
-            if node.target is not _LINEAR or not _plain_weight(node.args[1]):
+            if node.target is not _LINEAR or not _plain_weight(arguments(node)["weight"]):
                 continue
-            rows = _static_rows(node.args[0])
+            rows = static_rows(arguments(node)["input"])
             if rows is not None and 1 <= rows <= self.max_rows:
                 found.append(node)
         return found
@@ -65,10 +53,10 @@ class WeightStationaryLinearPass(Pass):
         graph = graph_module.graph
         candidates = self._candidates(graph_module)
         for node in candidates:
-            x, weight = node.args[0], node.args[1]
-            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            given = arguments(node)
+            x, weight, bias = given["input"], given["weight"], given.get("bias")
             x_val = x.meta["val"]
-            rows, width = _static_rows(x), x_val.shape[-1]
+            rows, width = static_rows(x), x_val.shape[-1]
             out_features = weight.meta["val"].shape[0]
 
             with graph.inserting_before(node):

@@ -103,6 +103,8 @@ def render(info: dict[str, Any]) -> str:
         for r in rows:
             if not r.get("scheme"):
                 lines.append(f"  skipped {r.get('module')}: {r.get('skipped')}")
+            elif r.get("shared_with"):
+                lines.append(f"  {r.get('module')} shares the int8 per-row weight of {r['shared_with']} (tied)")
     lines.append("metadata:")
     for key, value in sorted(info["metadata"].items()):
         lines.append(f"  {key:28} {value}")

@@ -84,16 +84,59 @@ def test_quantized_products_fuse_for_static_rows_and_keep_results(scheme):
     torch.testing.assert_close(program.module()(tokens), want, rtol=1e-5, atol=1e-5)
 
 
-def test_quantized_products_keep_the_matrix_product_for_dynamic_rows():
-    block = quantized_block("8w")
+@pytest.mark.parametrize("scheme", ["8w", "8da4w"])
+def test_quantized_products_keep_the_matrix_product_for_dynamic_rows(scheme):
+    block = quantized_block(scheme)
+    want = {rows: block(tokens_of(rows)) for rows in (3, 9)}
     plain_weights(block)
     program = exported(block, tokens_of(4), dynamic=True)
     run_passes(program.graph_module, [DecomposeCustomOpsPass(), FusedDequantizeMatmulPass()], "m")
+    ops = targets(program)
+    assert torch.ops.aten.sum.dim_IntList not in ops
+    assert all(getattr(op, "namespace", "aten") != "torchao" for op in ops)
+    for rows, logits in want.items():
+        torch.testing.assert_close(program.module()(tokens_of(rows)), logits, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_products_leave_float_weights_and_activation_products_alone():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+
+        def forward(self, tokens):
+            h = self.block.embed(tokens)[0]
+            return self.block.up(h), h @ h.t()  # a float weight; two activations
+
+    program = exported(Mixed().eval(), tokens_of(4))
+    run_passes(program.graph_module, [FusedDequantizeMatmulPass()], "m")
     assert torch.ops.aten.sum.dim_IntList not in targets(program)
 
 
-def test_quantized_lookup_dequantizes_only_the_gathered_rows():
-    block, tokens = quantized_block("8w"), tokens_of(6)
+def test_partitioners_choose_kernels_by_device():
+    from kvexport.partitioners.aoti import AotiPartitioner
+    from kvexport.partitioners.portable import PortablePartitioner
+
+    def names(partitioner):
+        return [p.name for p in partitioner.edge_transform_passes()]
+
+    assert names(PortablePartitioner())[-1] == "weight_stationary_linear"
+    cpu = names(AotiPartitioner("cpu"))
+    assert cpu.index("fused_dequantize_matmul") < cpu.index("weight_stationary_linear")
+    cuda = names(AotiPartitioner("cuda"))  # the layouts were measured on the CPU's BLAS only
+    assert "fused_dequantize_matmul" not in cuda and "weight_stationary_linear" not in cuda
+    assert cuda[:2] == ["gather_rows_before_dequantize", "decompose_custom_ops"]
+
+
+@pytest.mark.parametrize("group", [0, 16])
+def test_quantized_lookup_dequantizes_only_the_gathered_rows(group):
+    from torchao.quantization import quantize_
+
+    from kvexport.exporter.quantize import _linear_config
+
+    torch.manual_seed(0)
+    block, tokens = Block().eval(), tokens_of(6)
+    quantize_(block, _linear_config("8w", group), filter_fn=lambda m, fqn: isinstance(m, nn.Embedding))
     want = block(tokens)
     plain_weights(block)
     program = exported(block, tokens, dynamic=True)

@@ -62,14 +62,28 @@ def test_coverage_names_every_linear_and_embedding(quantized):
     modules = {n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))}
     assert {r["module"] for r in rows} == modules
     assert all(r["scheme"] or r["skipped"] for r in rows)  # nothing skipped silently
-    assert {r["scheme"] for r in rows if r["kind"] == "linear"} == {"4w"}
+    assert {r["scheme"] for r in rows if r["kind"] == "linear" and not r.get("shared_with")} == {"4w"}
     assert [r["scheme"] for r in rows if r["kind"] == "embedding"] == ["8w"]
-    tied = {r["module"]: r for r in json.loads((quantized("tiny-llama", "4w") / "manifest.json").read_text())["quantization"]["coverage"]}
-    assert "tied with model.embed_tokens.weight" in tied["lm_head"]["skipped"]  # 4-bit head, 8-bit table: not one matrix
-    shared = {r["module"]: r for r in json.loads((quantized("tiny-llama", "8w") / "manifest.json").read_text())["quantization"]["coverage"]}
+    shared = {r["module"]: r for r in json.loads((quantized("tiny-llama", "4w") / "manifest.json").read_text())["quantization"]["coverage"]}
     assert shared["lm_head"]["scheme"] == "8w" and shared["lm_head"]["shared_with"] == "model.embed_tokens"
     assert validate_package(path).ok
     assert "quantization: qlinear 4w" in CliRunner().invoke(main, ["inspect", str(path)]).stdout
+
+
+def test_tied_weights_are_shared_only_as_one_int8_table():
+    def rows(qlinear, qembedding):
+        model = load_model("tiny-llama").model
+        return {r["module"]: r for r in quantize_model(model, qlinear, 0, qembedding)}, model
+
+    alone, model = rows("8w", "")  # the table stays fp32: so does its head
+    assert "tied with model.embed_tokens.weight" in alone["lm_head"]["skipped"]
+    assert alone["model.embed_tokens"]["skipped"].startswith("no --qembedding")
+    for qlinear in ("8w", "4w"):
+        both, model = rows(qlinear, "8w")
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert both["lm_head"]["scheme"] == "8w" and both["lm_head"]["shared_with"] == "model.embed_tokens"
+        assert both["lm_head"]["granularity"] == both["model.embed_tokens"]["granularity"] == "per row"
+        assert {r["scheme"] for m, r in both.items() if m != "lm_head" and r["kind"] == "linear"} == {qlinear}
 
 
 def test_width_not_divisible_by_the_group_is_reported(tmp_path):
@@ -93,6 +107,22 @@ def test_quantized_weights_are_stored_plain_once(quantized, tiny_package):
     assert {a for a in manifest["weights"]["aliases"] if a.startswith("lm_head.")}
     fp32 = json.loads((tiny_package("tiny-llama") / "manifest.json").read_text())["files"]["weights.safetensors"]["bytes"]
     assert manifest["files"]["weights.safetensors"]["bytes"] < 0.3 * fp32
+
+
+def test_4bit_weights_are_stored_two_a_byte(quantized):
+    def stored(scheme):
+        path = quantized("tiny-llama", scheme)
+        manifest = json.loads((path / "manifest.json").read_text())
+        return path, manifest, {r["module"]: r for r in manifest["quantization"]["coverage"]}
+
+    path, manifest, rows = stored("4w")
+    row = rows["model.layers.0.mlp.down_proj"]
+    assert row["stored"]["packing"].startswith("int4 two a byte")
+    with safe_open(str(path / "weights.safetensors"), "pt") as f:
+        packed = f.get_tensor(row["stored"]["qdata"])
+    assert packed.dtype == torch.uint8 and list(packed.shape) == [row["shape"][0], row["shape"][1] // 2]
+    eight = stored("8w")[1]
+    assert manifest["files"]["weights.safetensors"]["bytes"] < 0.9 * eight["files"]["weights.safetensors"]["bytes"]
 
 
 RUN_WITHOUT_TORCHAO_OR_PICKLE = """
