@@ -42,6 +42,7 @@ def compile_one(job: CompileJob) -> tuple[str, float]:
 
     warnings.filterwarnings("ignore")  # torch's deprecation notices, once per worker
     import torch
+    import torch._inductor.inductor_prims  # noqa: F401  (ops the fused products use; see passes/quantized_weights.py)
     from safetensors.torch import load_file
 
     from kvexport.runtime import torch_compat

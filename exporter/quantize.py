@@ -95,61 +95,22 @@ def _shared_tie(group: list[str], modules: dict[str, nn.Module]) -> str | None:
     return embeddings[0] if len(embeddings) == 1 else None
 
 
-INT4_PACKING = "int4 two a byte: a row's first half in the low nibbles, its second half in the high ones, each value + 8"
-
-
-class PackedInt4(nn.Module):
-    """Parametrization of a 4-bit torchao weight (IntxUnpackedToInt8Tensor,
-    which holds one value a byte): stores its values two a byte and
-    unpacks them when the module runs, so the package holds and reads half
-    the bytes. Lossless."""
-
-    def right_inverse(self, weight: torch.Tensor) -> list[torch.Tensor]:
-        self.rebuild = (type(weight), weight.target_dtype, weight.block_size, weight.dtype, weight.activation_quantization)
-        values = (weight.qdata + 8).to(torch.uint8)  # [-8, 7] -> [0, 15]
-        half = values.shape[-1] // 2
-        return [values[:, :half] | (values[:, half:] << 4), weight.scale, weight.zero_point]
-
-    def forward(self, packed: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
-        qdata = torch.cat([packed & 15, packed >> 4], dim=-1).to(torch.int8) - 8
-        cls, target_dtype, block_size, dtype, activation_quantization = self.rebuild
-        return cls(qdata, scale, zero_point, target_dtype, block_size, dtype, activation_quantization)
-
-
-def _packs_int4(weight: torch.Tensor) -> bool:
-    return (
-        type(weight).__name__ == "IntxUnpackedToInt8Tensor"
-        and weight.target_dtype == torch.int4
-        and weight.dim() == 2
-        and weight.shape[-1] % 2 == 0
-    )
-
-
 def plain_weights(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """Replaces every quantized (torchao tensor subclass) weight with plain
-    tensors, held by a parametrization that turns them back into the
-    subclass when the module runs, so tracing records torchao's own
-    arithmetic on plain tensors: 4-bit weights packed two a byte
-    (PackedInt4), others as torchao's inner tensors (its unwrapping
-    parametrization). Returns, per quantized weight, its class, packing and
-    stored tensors by role (qdata, scale, zero_point, ...)."""
-    from torch.nn.utils import parametrize
+    """Replaces every quantized (torchao tensor subclass) weight with its
+    plain inner tensors, held by torchao's unwrapping parametrization and
+    turned back into the subclass when the module runs, so tracing records
+    torchao's own arithmetic on plain tensors. Returns, per quantized
+    weight, its class and its inner tensors by role (qdata, scale,
+    zero_point, ...)."""
     from torchao.utils import unwrap_tensor_subclass
 
     layout: dict[str, dict[str, Any]] = {}
     for fqn, module in model.named_modules():
         weight = module._parameters.get("weight")
-        if weight is None or not hasattr(weight, "__tensor_flatten__") or type(weight) is nn.Parameter:
-            continue
-        if _packs_int4(weight):
-            parametrize.register_parametrization(module, "weight", PackedInt4())
-            packed = module.parametrizations.weight.original0
-            layout[f"{fqn}.weight"] = {"class": type(weight).__name__, "packing": INT4_PACKING, "qdata": packed,
-                                       "scale": weight.scale, "zero_point": weight.zero_point}
-        else:
+        if weight is not None and hasattr(weight, "__tensor_flatten__") and type(weight) is not nn.Parameter:
             names, _ = weight.__tensor_flatten__()
             layout[f"{fqn}.weight"] = {"class": type(weight).__name__} | {n: getattr(weight, n) for n in names}
-    unwrap_tensor_subclass(model)  # skips the modules parametrized above
+    unwrap_tensor_subclass(model)
     return layout
 
 

@@ -12,14 +12,19 @@ with a weight dequantized at run time is written as a multiply and a sum
 over the input width, so the compiler fuses the dequantization into the
 product and reads the integers once; as a matrix product it would write the
 dequantized weight out in full first (4 x the bytes of an int8 weight, on
-every call). Only static row counts up to `max_rows`; a prefill keeps the
-matrix product, where the dequantization is shared by many rows. Needs a
-compiler: run eagerly, the multiply would materialize rows x out x in floats.
+every call). The rows are pinned to memory first (inductor's
+force_stride_order): left to fusion, whatever computes them (a norm, 8da4w's
+activation quantization) would be recomputed for every output column, 15 x
+slower for an LM head here. Only static row counts up to `max_rows`; a
+prefill keeps the matrix product, where the dequantization is shared by many
+rows. Needs a compiler: run eagerly, the multiply would materialize
+rows x out x in floats.
 """
 
 from __future__ import annotations
 
 import torch
+import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
 import torch.fx
 
 from kvexport.passes.base import Pass, arguments, emit, emit_shape, static_rows
@@ -135,7 +140,9 @@ class FusedDequantizeMatmulPass(Pass):
                 if not linear:  # weight [in, out]: a transposed view, folded by the compiler
                     weight = emit(graph, node, aten.t.default, weight)
                 out_features = weight.meta["val"].shape[0]
-                columns = emit(graph, node, aten.reshape.default, x, [static_rows(x), 1, width])
+                rows = emit(graph, node, aten.reshape.default, x, [static_rows(x), width])
+                rows = emit(graph, node, torch.ops.prims.inductor_force_stride_order.default, rows, [width, 1])
+                columns = emit(graph, node, aten.reshape.default, rows, [static_rows(x), 1, width])
                 products = emit(graph, node, aten.mul.Tensor, columns, weight)
                 out = emit(graph, node, aten.sum.dim_IntList, products, [-1])
                 if bias is not None:

@@ -109,22 +109,6 @@ def test_quantized_weights_are_stored_plain_once(quantized, tiny_package):
     assert manifest["files"]["weights.safetensors"]["bytes"] < 0.3 * fp32
 
 
-def test_4bit_weights_are_stored_two_a_byte(quantized):
-    def stored(scheme):
-        path = quantized("tiny-llama", scheme)
-        manifest = json.loads((path / "manifest.json").read_text())
-        return path, manifest, {r["module"]: r for r in manifest["quantization"]["coverage"]}
-
-    path, manifest, rows = stored("4w")
-    row = rows["model.layers.0.mlp.down_proj"]
-    assert row["stored"]["packing"].startswith("int4 two a byte")
-    with safe_open(str(path / "weights.safetensors"), "pt") as f:
-        packed = f.get_tensor(row["stored"]["qdata"])
-    assert packed.dtype == torch.uint8 and list(packed.shape) == [row["shape"][0], row["shape"][1] // 2]
-    eight = stored("8w")[1]
-    assert manifest["files"]["weights.safetensors"]["bytes"] < 0.9 * eight["files"]["weights.safetensors"]["bytes"]
-
-
 RUN_WITHOUT_TORCHAO_OR_PICKLE = """
 import pickle, sys, torch
 sys.modules["torchao"] = None  # importing it fails
