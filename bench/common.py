@@ -18,14 +18,19 @@ def weight_read_gbps(megabytes: int = 512, width: int = 576, repeats: int = 5) -
     x2 = torch.randn(2, width)
     rates = {}
     for name, fn in (("gemv", lambda: torch.mv(w, x)), ("mm_2_columns", lambda: torch.mm(w, x2.t()))):
-        fn()
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - start)
-        rates[name] = w.numel() * 4 / best / 1e9
+        rates[name] = w.numel() * 4 / best_of(fn, repeats) / 1e9
     return rates
+
+
+def best_of(fn, repeats: int) -> float:
+    """Best-of seconds of `fn()` after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def emit(result: dict) -> None:
