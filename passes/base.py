@@ -39,6 +39,35 @@ class Pass:
         return graph_module, modified
 
 
+class RewritePass(Pass):
+    """A pass that replaces every node `candidates` finds with what
+    `rewrite` emits just before it (the insertion point is set), and
+    ensures none is left. Subclasses set `leftover`, the error's words."""
+
+    leftover = "nodes left to rewrite"
+
+    def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+        raise NotImplementedError
+
+    def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+        raise NotImplementedError
+
+    def call(self, graph_module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, bool]:
+        graph = graph_module.graph
+        found = self.candidates(graph_module)
+        for node in found:
+            with graph.inserting_before(node):
+                replacement = self.rewrite(graph, node)
+            node.replace_all_uses_with(replacement)
+            graph.erase_node(node)
+        return graph_module, bool(found)
+
+    def ensures(self, graph_module: torch.fx.GraphModule) -> None:
+        left = self.candidates(graph_module)
+        if left:
+            raise AssertionError(f"{self.leftover}: {[n.name for n in left[:5]]}")
+
+
 SOURCE_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "from_node", "torch_fn")
 
 

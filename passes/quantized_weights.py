@@ -24,10 +24,9 @@ rows x out x in floats.
 from __future__ import annotations
 
 import torch
-import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
 import torch.fx
 
-from kvexport.passes.base import Pass, arguments, emit, emit_shape, static_rows
+from kvexport.passes.base import RewritePass, arguments, emit, emit_shape, static_rows
 from kvexport.passes.check_step_width import USER_INPUTS_META
 
 aten = torch.ops.aten
@@ -46,39 +45,33 @@ def _per_row(dequantize: torch.fx.Node) -> bool:
     return len(block) == 2 and block[0] == 1
 
 
-class GatherRowsBeforeDequantizePass(Pass):
+class GatherRowsBeforeDequantizePass(RewritePass):
     name = "gather_rows_before_dequantize"
+    leftover = "lookups that dequantize the whole table left"
 
-    def _candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
         return [
             n for n in graph_module.graph.nodes
             if n.target is aten.embedding.default and _is_dequantize(n.args[0]) and _per_row(n.args[0])
         ]
 
-    def call(self, graph_module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, bool]:
-        graph = graph_module.graph
-        candidates = self._candidates(graph_module)
-        for node in candidates:
-            dequantize, indices = node.args[0], node.args[1]
-            given = arguments(dequantize)
-            width = dequantize.meta["val"].shape[-1]
-            with graph.inserting_before(node):
-                flat = emit(graph, node, aten.reshape.default, indices, [-1])
-                for name in ("input", "scale", "zero_point"):  # 2-D tables, a row per token
-                    if given.get(name) is not None:
-                        given[name] = emit(graph, node, aten.embedding.default, given[name], flat)
-                values = emit(graph, node, dequantize.target, **given)
-                out = emit(graph, node, aten.reshape.default, values, [*emit_shape(graph, node, indices), width])
-            node.replace_all_uses_with(out)
-            graph.erase_node(node)
-            if not dequantize.users:
-                graph.erase_node(dequantize)
-        return graph_module, bool(candidates)
+    def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+        dequantize, indices = node.args[0], node.args[1]
+        given = arguments(dequantize)
+        flat = emit(graph, node, aten.reshape.default, indices, [-1])
+        for name in ("input", "scale", "zero_point"):  # 2-D tables, a row per token
+            if given.get(name) is not None:
+                given[name] = emit(graph, node, aten.embedding.default, given[name], flat)
+        values = emit(graph, node, dequantize.target, **given)
+        width = dequantize.meta["val"].shape[-1]
+        return emit(graph, node, aten.reshape.default, values, [*emit_shape(graph, node, indices), width])
 
-    def ensures(self, graph_module: torch.fx.GraphModule) -> None:
-        left = self._candidates(graph_module)
-        if left:
-            raise AssertionError(f"lookups that dequantize the whole table left: {[n.name for n in left[:5]]}")
+    def call(self, graph_module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, bool]:
+        graph_module, modified = super().call(graph_module)
+        for node in list(graph_module.graph.nodes):  # the whole-table dequantizations no lookup uses now
+            if _is_dequantize(node) and not node.users:
+                graph_module.graph.erase_node(node)
+        return graph_module, modified
 
 
 def dequantized_weights(graph_module: torch.fx.GraphModule) -> set[torch.fx.Node]:
@@ -102,22 +95,31 @@ def dequantized_weights(graph_module: torch.fx.GraphModule) -> set[torch.fx.Node
     return {n for n in from_integers if n.op != "placeholder"}
 
 
-class FusedDequantizeMatmulPass(Pass):
+def _operands(node: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node | None]:
+    """(x, weight, bias) of linear(x, W [out, in], bias) or mm(x, W' [in, out])."""
+    given = arguments(node)
+    if node.target is aten.linear.default:
+        return given["input"], given["weight"], given.get("bias")
+    return given["self"], given["mat2"], None
+
+
+class FusedDequantizeMatmulPass(RewritePass):
     name = "fused_dequantize_matmul"
+    leftover = "products with dequantized weights left"
 
     def __init__(self, max_rows: int = 8):
+        import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
+
         self.max_rows = max_rows
 
-    def _candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
-        """linear(x, W [out, in], bias) and mm(x, W' [in, out]) nodes over a
-        dequantized weight and a few rows."""
+    def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+        """Products over a dequantized weight and a few rows."""
         weights = dequantized_weights(graph_module)
         found = []
         for node in graph_module.graph.nodes:
             if node.target not in (aten.linear.default, aten.mm.default):
                 continue
-            given = arguments(node)
-            x, weight = (given["input"], given["weight"]) if node.target is aten.linear.default else (given["self"], given["mat2"])
+            x, weight, _ = _operands(node)
             rows = static_rows(x)
             if weight in weights and rows is not None and 1 <= rows <= self.max_rows:
                 found.append(node)
@@ -127,32 +129,17 @@ class FusedDequantizeMatmulPass(Pass):
         if USER_INPUTS_META not in graph_module.meta:
             raise AssertionError("the graph does not record its user inputs")
 
-    def call(self, graph_module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, bool]:
-        graph = graph_module.graph
-        candidates = self._candidates(graph_module)
-        for node in candidates:
-            given = arguments(node)
-            linear = node.target is aten.linear.default
-            x, weight = (given["input"], given["weight"]) if linear else (given["self"], given["mat2"])
-            bias = given.get("bias") if linear else None
-            lead, width = list(x.meta["val"].shape[:-1]), x.meta["val"].shape[-1]
-            with graph.inserting_before(node):
-                if not linear:  # weight [in, out]: a transposed view, folded by the compiler
-                    weight = emit(graph, node, aten.t.default, weight)
-                out_features = weight.meta["val"].shape[0]
-                rows = emit(graph, node, aten.reshape.default, x, [static_rows(x), width])
-                rows = emit(graph, node, torch.ops.prims.inductor_force_stride_order.default, rows, [width, 1])
-                columns = emit(graph, node, aten.reshape.default, rows, [static_rows(x), 1, width])
-                products = emit(graph, node, aten.mul.Tensor, columns, weight)
-                out = emit(graph, node, aten.sum.dim_IntList, products, [-1])
-                if bias is not None:
-                    out = emit(graph, node, aten.add.Tensor, out, bias)
-                out = emit(graph, node, aten.reshape.default, out, [*lead, out_features])
-            node.replace_all_uses_with(out)
-            graph.erase_node(node)
-        return graph_module, bool(candidates)
-
-    def ensures(self, graph_module: torch.fx.GraphModule) -> None:
-        left = self._candidates(graph_module)
-        if left:
-            raise AssertionError(f"products with dequantized weights left: {[n.name for n in left[:5]]}")
+    def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+        x, weight, bias = _operands(node)
+        if node.target is aten.mm.default:  # weight [in, out]: a transposed view, folded by the compiler
+            weight = emit(graph, node, aten.t.default, weight)
+        lead, width = list(x.meta["val"].shape[:-1]), x.meta["val"].shape[-1]
+        rows, out_features = static_rows(x), weight.meta["val"].shape[0]
+        pinned = emit(graph, node, aten.reshape.default, x, [rows, width])
+        pinned = emit(graph, node, torch.ops.prims.inductor_force_stride_order.default, pinned, [width, 1])
+        columns = emit(graph, node, aten.reshape.default, pinned, [rows, 1, width])
+        products = emit(graph, node, aten.mul.Tensor, columns, weight)
+        out = emit(graph, node, aten.sum.dim_IntList, products, [-1])
+        if bias is not None:
+            out = emit(graph, node, aten.add.Tensor, out, bias)
+        return emit(graph, node, aten.reshape.default, out, [*lead, out_features])

@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from kvexport.passes.base import Pass, arguments, emit, static_rows
+from kvexport.passes.base import RewritePass, arguments, emit, static_rows
 
 aten = torch.ops.aten
 _LINEAR = aten.linear.default
@@ -33,49 +33,37 @@ def _plain_weight(node: torch.fx.Node) -> bool:
     return type(val) is FakeTensor and val.dim() == 2 and val.dtype == torch.float32
 
 
-class WeightStationaryLinearPass(Pass):
+class WeightStationaryLinearPass(RewritePass):
     name = "weight_stationary_linear"
+    leftover = "linears left in the row-major layout"
 
     def __init__(self, max_rows: int = 8):
         self.max_rows = max_rows
 
-    def _candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
         found = []
         for node in graph_module.graph.nodes:
-            if node.target is not _LINEAR or not _plain_weight(arguments(node)["weight"]):
+            if node.target is not _LINEAR:
                 continue
-            rows = static_rows(arguments(node)["input"])
-            if rows is not None and 1 <= rows <= self.max_rows:
+            given = arguments(node)
+            rows = static_rows(given["input"])
+            if _plain_weight(given["weight"]) and rows is not None and 1 <= rows <= self.max_rows:
                 found.append(node)
         return found
 
-    def call(self, graph_module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, bool]:
-        graph = graph_module.graph
-        candidates = self._candidates(graph_module)
-        for node in candidates:
-            given = arguments(node)
-            x, weight, bias = given["input"], given["weight"], given.get("bias")
-            x_val = x.meta["val"]
-            rows, width = static_rows(x), x_val.shape[-1]
-            out_features = weight.meta["val"].shape[0]
-
-            with graph.inserting_before(node):
-                flat = emit(graph, node, aten.reshape.default, x, [rows, width])
-                if rows == 1:
-                    flat = emit(graph, node, aten.constant_pad_nd.default, flat, [0, 0, 0, 1])
-                columns = emit(graph, node, aten.mm.default, weight, emit(graph, node, aten.t.default, flat))
-                if bias is not None:
-                    columns = emit(graph, node, aten.add.Tensor, columns, emit(graph, node, aten.unsqueeze.default, bias, 1))
-                out = emit(graph, node, aten.t.default, columns)
-                if rows == 1:
-                    out = emit(graph, node, aten.slice.Tensor, out, 0, 0, 1)
-                out = emit(graph, node, aten.clone.default, out, memory_format=torch.contiguous_format)
-                out = emit(graph, node, aten.reshape.default, out, [*x_val.shape[:-1], out_features])
-            node.replace_all_uses_with(out)
-            graph.erase_node(node)
-        return graph_module, bool(candidates)
-
-    def ensures(self, graph_module: torch.fx.GraphModule) -> None:
-        left = self._candidates(graph_module)
-        if left:
-            raise AssertionError(f"linears left in the row-major layout: {[n.name for n in left[:5]]}")
+    def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+        given = arguments(node)
+        x, weight, bias = given["input"], given["weight"], given.get("bias")
+        lead, width = list(x.meta["val"].shape[:-1]), x.meta["val"].shape[-1]
+        rows, out_features = static_rows(x), weight.meta["val"].shape[0]
+        flat = emit(graph, node, aten.reshape.default, x, [rows, width])
+        if rows == 1:
+            flat = emit(graph, node, aten.constant_pad_nd.default, flat, [0, 0, 0, 1])
+        columns = emit(graph, node, aten.mm.default, weight, emit(graph, node, aten.t.default, flat))
+        if bias is not None:
+            columns = emit(graph, node, aten.add.Tensor, columns, emit(graph, node, aten.unsqueeze.default, bias, 1))
+        out = emit(graph, node, aten.t.default, columns)
+        if rows == 1:
+            out = emit(graph, node, aten.slice.Tensor, out, 0, 0, 1)
+        out = emit(graph, node, aten.clone.default, out, memory_format=torch.contiguous_format)
+        return emit(graph, node, aten.reshape.default, out, [*lead, out_features])
