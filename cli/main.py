@@ -161,6 +161,32 @@ def validate(ctx: click.Context, package: Path, as_json: bool) -> None:
     ctx.exit(0 if report.ok else 1)
 
 
+# ------------------------------------------------------------ trust, digest
+@main.command()
+@click.argument("package", type=click.Path(path_type=Path))
+@click.option("--remove", is_flag=True, help="Stop trusting PACKAGE.")
+def trust(package: Path, remove: bool) -> None:
+    """Trust PACKAGE's native code (an aoti package exported elsewhere): once
+    its files match its manifest, record its manifest digest in the trust store."""
+    from kvexport.runtime import trust as store
+
+    if remove:
+        digest, removed = store.untrust_package(package)
+        click.echo(f"{'no longer trusted' if removed else 'was not trusted'}: {digest} {package}")
+        return
+    digest = store.trust_package(package)
+    click.echo(f"trusted: {digest} {package} (in {store.store_path()})")
+
+
+@main.command()
+@click.argument("package", type=click.Path(path_type=Path))
+def digest(package: Path) -> None:
+    """Print PACKAGE's manifest digest, the value --expect-digest pins."""
+    from kvexport.runtime.trust import package_digest
+
+    click.echo(package_digest(package))
+
+
 # ---------------------------------------------------------------- generate
 def _parse_ids(text: str) -> list[int]:
     try:
@@ -185,6 +211,8 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--max-cells", type=int, help="Cells the runtime allocates at most (default: the package's).")
 @click.option("--host-sampler", is_flag=True, help="Sample on the host instead of the package's sample method.")
 @click.option("--json", "as_json", is_flag=True, help='Print {"outputs": [...]} instead of streaming text.')
+@click.option("--trust-native-code", is_flag=True, help="Run an aoti package's native code this once though it is not in the trust store.")
+@click.option("--expect-digest", metavar="DIGEST", help="Load only the package whose manifest digest is DIGEST (and trust its native code).")
 def generate(
     package: Path,
     prompts: tuple[str, ...],
@@ -198,6 +226,8 @@ def generate(
     max_cells: int | None,
     host_sampler: bool,
     as_json: bool,
+    trust_native_code: bool,
+    expect_digest: str | None,
 ) -> None:
     """Generate from PACKAGE for one or more prompts, batched as concurrent sessions."""
     from kvexport.runtime import SamplingConfig, load
@@ -207,7 +237,7 @@ def generate(
     if not prompts and not prompt_ids:
         raise KvexportError("nothing to generate for: pass --prompt TEXT or --prompt-ids 1,2,3")
     options = {"max_cells": max_cells} if max_cells is not None else {}
-    runtime = load(package, **options)
+    runtime = load(package, trust_native_code=trust_native_code, expect_digest=expect_digest, **options)
     text = runtime.package.tokenizer() if prompts or runtime.package.manifest.get("tokenizer") else None
     ids = [text.encode(p, chat=not raw) for p in prompts] + [_parse_ids(p) for p in prompt_ids]
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)

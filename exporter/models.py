@@ -92,13 +92,67 @@ def _load_directory(path: Path, dtype: str, origin: dict[str, Any]) -> LoadedMod
         pickled = sorted(p.name for p in path.glob("*.bin"))
         hint = f" (found {', '.join(pickled)}: pickled weights are never loaded; convert them to safetensors)" if pickled else ""
         raise ModelError(f"{path}: no *.safetensors weights{hint}")
-    config = AutoConfig.from_pretrained(str(path))
+    _check_config(path / "config.json")
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (ValueError, KeyError, TypeError, OSError) as e:
+        raise ModelError(f"{path / 'config.json'}: transformers cannot read it ({type(e).__name__}: {e})") from None
     resolve(config, str(path))
+    _check_safetensors(weights)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=TORCH_DTYPES[dtype], use_safetensors=True)
     model.eval()
     files = {p.name: sha256_file(p) for p in sorted(path.iterdir()) if p.is_file()}
     source = {**origin, "path": str(path.absolute()), "files": files}
     return LoadedModel(model, _load_tokenizer(path), {"source": source})
+
+
+def _check_config(config_json: Path) -> None:
+    """The config keys support is keyed by, checked before transformers reads
+    the file: its own errors name neither the file nor the fix."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        config = json.loads(config_json.read_text())
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{config_json}: not readable JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"{config_json}: expected a JSON object")
+    model_type = config.get("model_type")
+    if model_type is None:
+        raise ModelError(f"{config_json}: no \"model_type\"; a Hugging Face config names its model type, e.g. \"llama\"")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise ModelError(
+            f"{config_json}: model_type {model_type!r} is unknown to this transformers; supported architectures: "
+            f"{', '.join(sorted(ARCHITECTURES))}"
+        )
+    names = config.get("architectures")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise ModelError(
+            f"{config_json}: no \"architectures\" list, which names the model class; add "
+            f"\"architectures\": [\"{_guess_architecture(model_type)}\"]"
+        )
+
+
+def _guess_architecture(model_type: str) -> str:
+    import transformers
+
+    for arch in ARCHITECTURES.values():
+        if getattr(transformers, arch.config_class).model_type == model_type:
+            return arch.name
+    return "...ForCausalLM"
+
+
+def _check_safetensors(files: list[Path]) -> None:
+    """Reads each file's header: a truncated or damaged download fails here,
+    named, instead of deep inside transformers."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in files:
+        try:
+            with safe_open(str(path), "pt") as f:
+                f.keys()
+        except (SafetensorError, OSError) as e:
+            raise ModelError(f"{path}: not a readable safetensors file ({e}); it may be truncated: download it again") from None
 
 
 def _load_tokenizer(path: Path) -> Any | None:

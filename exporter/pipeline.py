@@ -46,9 +46,9 @@ from kvexport.passes.base import Pass, run_passes
 from kvexport.passes.check_step_width import STEP_WIDTH_META, USER_INPUTS_META
 from kvexport.passes.reserve_constant_names import ConstantNames, ReserveConstantNamesPass
 from kvexport.runtime import manifest as mf
-from kvexport.runtime import torch_compat
+from kvexport.runtime import torch_compat, trust
 from kvexport.runtime.errors import ExportError, ModelError, SpecError
-from kvexport.runtime.package import PackageWriter, program_path
+from kvexport.runtime.package import PackageWriter, check_output, program_path
 
 log = logging.getLogger(__name__)
 Progress = Callable[[str], None]
@@ -107,6 +107,7 @@ def export_package(
 ) -> ExportResult:
     start = time.perf_counter()
     spec.validate()
+    check_output(Path(spec.output), spec.overwrite)  # a bad -o fails now, not after the tracing
     partitioners = list(partitioners) if partitioners is not None else default_partitioners(spec)
     dump = GraphDump(dump_graphs)
     progress(f"loading {spec.model} ({spec.dtype})")
@@ -273,6 +274,9 @@ def write_package(
         package_bytes = sum(p.stat().st_size for p in writer.files())
         writer.commit(manifest)
     package_bytes += (Path(spec.output) / "manifest.json").stat().st_size
+    if spec.backend == "aoti":
+        # this user compiled it on this machine: its native code is theirs
+        trust.trust_exported(Path(spec.output))
     return ExportResult(Path(spec.output), [p.name for p in plans], package_bytes, weights_bytes, 0.0, coverage)
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import json
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from kvexport.exporter.quantize import QEMBEDDING, QLINEAR
 from kvexport.runtime.errors import SpecError
@@ -159,14 +161,16 @@ def load_recipe(name_or_path: str) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"{path}: not valid TOML ({e})") from e
     known = set(ExportSpec.recipe_keys())
-    for key in data:
+    for key, value in data.items():
         if key not in known:
             raise SpecError(f"{path}: unknown key {key!r} (known keys: {', '.join(sorted(known))})")
+        check_value(key, value, f"{path}: {key} = {_toml(value)}")
     return data
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """'key=value' with a TOML value; a bare word is taken as a string."""
+    """'key=value' with a TOML value; a bare word is taken as a string,
+    which only a string key accepts."""
     key, sep, raw = text.partition("=")
     key = key.strip().replace("-", "_")
     if not sep or not key:
@@ -177,7 +181,33 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
+    check_value(key, value, f"--set {text}")
     return key, value
+
+
+# what a recipe value of each ExportSpec field type must be, and how to say so
+_ACCEPTS: dict[Any, tuple[Callable[[Any], bool], str]] = {
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    int: (_is_int, "an integer"),
+    str: (lambda v: isinstance(v, str), "a string"),
+    tuple: (lambda v: isinstance(v, (str, list)), 'a list of sizes like [1, 2, 4] or a string like "1,2,4"'),
+}
+
+
+def check_value(key: str, value: Any, where: str) -> None:
+    """A recipe or --set value must have its field's type: TOML true/false
+    are the only booleans (a bare `no` is the string "no", which is truthy),
+    and an integer is never a bool or a float."""
+    hint = typing.get_type_hints(ExportSpec)[key]
+    accepts, expected = _ACCEPTS[typing.get_origin(hint) or hint]
+    if not accepts(value):
+        raise SpecError(f"{where}: expected {expected}")
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return json.dumps(value) if isinstance(value, (str, list)) else repr(value)
 
 
 def build_spec(

@@ -33,12 +33,29 @@ def _position(value: object, what: str) -> int:
 
 
 def zeros_allocator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)  # allocate() zeroes what any allocator returns
+
+
+def allocate(allocator: Allocator, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed tensor from the user's allocator. Pools start zeroed (the
+    scratch cell is read on every call: uninitialised memory there, NaN
+    from `torch.empty` or a pinned buffer, turns every row to NaN), and an
+    allocator that returns the wrong thing is refused by name."""
+    device = torch.device(device)
+    tensor = allocator(tuple(shape), dtype, device)
+    if not isinstance(tensor, torch.Tensor):
+        raise RuntimeRefusal(f"the allocator returned {type(tensor).__name__}, not a tensor, for {tuple(shape)} {dtype}")
+    if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype or tensor.device.type != device.type:
+        raise RuntimeRefusal(
+            f"the allocator returned {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} "
+            f"for a request of {tuple(shape)} {dtype} on {device}"
+        )
+    return tensor.zero_()
 
 
 def io_buffer(allocator: Allocator, values: torch.Tensor, device: torch.device) -> torch.Tensor:
     """An input buffer from the allocator, on the device, holding `values`."""
-    buffer = allocator(tuple(values.shape), values.dtype, device)
+    buffer = allocate(allocator, tuple(values.shape), values.dtype, device)
     buffer.copy_(values)
     return buffer
 
@@ -79,7 +96,7 @@ class CellCache:
         for layer in range(self.geometry.n_layers):
             shape = (new_capacity, self.geometry.kv_heads[layer], self.geometry.head_dims[layer])
             for kind in (0, 1):
-                pool = self.allocator(shape, self.dtype, self.device)
+                pool = allocate(self.allocator, shape, self.dtype, self.device)
                 if self.pools:
                     pool[: self.capacity].copy_(self.pools[2 * layer + kind])
                 new_pools.append(pool)

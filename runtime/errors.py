@@ -28,3 +28,7 @@ class RuntimeRefusal(KvexportError):
 
 class CapacityError(RuntimeRefusal):
     """Too few free cells, sessions or context positions for a request."""
+
+
+class TrustStoreError(KvexportError):
+    """The trust store (trusted package digests) cannot be read or written."""

@@ -9,7 +9,7 @@ import torch
 
 from kvexport.runtime.cell_cache import MAX_SEQUENCES
 from kvexport.runtime.errors import CapacityError, KvexportError
-from kvexport.runtime.offgraph import OffgraphKVManager, StepEntry
+from kvexport.runtime.offgraph import OffgraphKVManager, StepEntry, check_token_ids
 from kvexport.runtime.sampler import SamplingConfig, params_row
 from kvexport.runtime.single import SingleSequenceManager
 
@@ -78,11 +78,9 @@ def _check_admission(manager: OffgraphKVManager, prompts: Sequence[Sequence[int]
     context = manager.cache.max_context_len
     needed = 0
     for i, prompt in enumerate(prompts):
-        if not prompt:
+        check_token_ids(prompt, manager.vocab_size, f"prompt {i}")
+        if len(prompt) == 0:
             raise KvexportError(f"prompt {i} is empty")
-        bad = [t for t in prompt if not 0 <= t < manager.vocab_size]
-        if bad:
-            raise KvexportError(f"prompt {i}: token ids {bad[:5]} are outside the vocabulary 0..{manager.vocab_size - 1}")
         length = len(prompt) + max_new_tokens
         if length > context:
             raise CapacityError(
@@ -111,7 +109,8 @@ def _generate_one_at_a_time(
     if not prompts:
         raise KvexportError("no prompts to generate for")
     for i, prompt in enumerate(prompts):
-        if not prompt:
+        check_token_ids(prompt, manager.vocab_size, f"prompt {i}")
+        if len(prompt) == 0:
             raise KvexportError(f"prompt {i} is empty")
         if len(prompt) + max_new_tokens > manager.context:
             raise CapacityError(

@@ -6,50 +6,105 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvexport.runtime import manifest as mf
+from kvexport.runtime.errors import PackageError
 from kvexport.runtime.manifest import format_shape
-from kvexport.runtime.package import PackageReader
+from kvexport.runtime.package import WEIGHTS, PackageReader
+
+def _get(container: dict, key: str, kind: type, default: Any, where: str) -> Any:
+    """container[key], which must be a `kind` (never a bool) when present;
+    JSON null reads as absent. A package is untrusted: anything else is
+    refused with the key named, not shown half-rendered."""
+    value = container.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise PackageError(f"{where}{key}: expected {kind.__name__}, found {value!r:.80}")
+    return value
 
 
-def _io(specs: list[dict]) -> list[dict[str, Any]]:
-    return [{"name": s.get("name"), "dtype": s.get("dtype"), "shape": s.get("shape"), "role": s.get("role")} for s in specs]
+def _io(specs: list, where: str) -> list[dict[str, Any]]:
+    out = []
+    for i, s in enumerate(specs):
+        if not isinstance(s, dict):
+            raise PackageError(f"{where}[{i}]: expected an object, found {s!r:.80}")
+        out.append({"name": s.get("name"), "dtype": s.get("dtype"), "shape": s.get("shape"), "role": s.get("role")})
+    return out
+
+
+def _method(name: str, entry: Any) -> dict[str, Any]:
+    where = f"methods.{name}."
+    if not isinstance(entry, dict):
+        raise PackageError(f"methods.{name}: expected an object, found {entry!r:.80}")
+    return {
+        "kind": entry.get("kind"),
+        "inputs": _io(_get(entry, "inputs", list, [], where), where + "inputs"),
+        "outputs": _io(_get(entry, "outputs", list, [], where), where + "outputs"),
+        "step_width": entry.get("step_width"),
+        "state": _io(_get(entry, "state", list, [], where), where + "state"),
+    }
+
+
+def _provenance(m: dict) -> dict[str, Any]:
+    prov = _get(m, "provenance", dict, {}, "")
+    source = _get(prov, "source", dict, {}, "provenance.")
+    files = _get(source, "files", dict, {}, "provenance.source.")
+    for name, digest in files.items():
+        if not isinstance(digest, str):
+            raise PackageError(f"provenance.source.files.{name}: expected a sha256 string, found {digest!r:.80}")
+    command = _get(prov, "command", list, [], "provenance.")
+    if not all(isinstance(arg, str) for arg in command):
+        raise PackageError("provenance.command: expected a list of strings")
+    tools = _get(prov, "tools", dict, {}, "provenance.")
+    return {**prov, "source": {**source, "files": files}, "command": command, "tools": tools}
+
+
+def _quantization(m: dict) -> dict[str, Any] | None:
+    quant = _get(m, "quantization", dict, None, "")
+    if quant is None:
+        return None
+    coverage = _get(quant, "coverage", list, [], "quantization.")
+    if not all(isinstance(r, dict) for r in coverage):
+        raise PackageError("quantization.coverage: expected a list of objects")
+    return {**quant, "coverage": coverage}
 
 
 def describe(path: Path) -> dict[str, Any]:
     reader = PackageReader(path)
     m = reader.manifest
-    files = m.get("files", {})
-    weights_name = m.get("weights", {}).get("file")
-    weights_bytes = files.get(weights_name, {}).get("bytes", 0)
+    mf.require(mf.check_envelope(m), f"{reader.path}: not a kvexport package")
+    files = m["files"]
+    sizes = {}
+    for rel, entry in files.items():
+        size = _get(entry, "bytes", int, None, f"files.{rel}.") if isinstance(entry, dict) else None
+        if size is not None and not 0 <= size < 1 << 63:
+            raise PackageError(f"files.{rel}.bytes: {str(size)[:40]} is not a file size")
+        sizes[rel] = size
+    weights_name = _get(_get(m, "weights", dict, {}, ""), "file", str, WEIGHTS, "weights.")
+    weights_bytes = sizes.get(weights_name) or 0
     total = reader.total_bytes()
+    backend = _get(m, "backend", dict, {"id": "portable"}, "")
+    backend = {**backend, "target": _get(backend, "target", dict, None, "backend.")}
     return {
         "path": str(reader.path),
-        "contract": m.get("contract"),
-        "metadata": m.get("metadata", {}),
-        "methods": {
-            name: {
-                "kind": entry.get("kind"),
-                "inputs": _io(entry.get("inputs", [])),
-                "outputs": _io(entry.get("outputs", [])),
-                "step_width": entry.get("step_width"),
-                "state": entry.get("state", []),
-            }
-            for name, entry in m.get("methods", {}).items()
-        },
+        "contract": m["contract"],
+        "metadata": m["metadata"],
+        "methods": {name: _method(name, entry) for name, entry in m["methods"].items()},
         "sizes": {
             "package_bytes": total,
             "weights_bytes": weights_bytes,
-            "package_over_weights": round(total / weights_bytes, 4) if weights_bytes else None,
-            "files": {rel: entry.get("bytes") for rel, entry in files.items()},
+            "package_over_weights": round(total / weights_bytes, 4) if weights_bytes > 0 else None,
+            "files": sizes,
         },
-        "tokenizer": m.get("tokenizer"),
-        "backend": m.get("backend", {"id": "portable"}),
-        "quantization": m.get("quantization"),
-        "provenance": m.get("provenance", {}),
+        "tokenizer": _get(m, "tokenizer", dict, None, ""),
+        "backend": backend,
+        "quantization": _quantization(m),
+        "provenance": _provenance(m),
     }
 
 
 def _method_order(name: str) -> tuple:
-    if name.startswith("forward_") and name[8:].isdigit():
+    if name.startswith("forward_") and name[8:].isascii() and name[8:].isdigit():
         return (0, int(name[8:]))
     return (1 if name == "forward_others" else 2, name)
 

@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from kvexport.runtime import manifest as mf
-from kvexport.runtime import torch_compat
+from kvexport.runtime import torch_compat, trust
 from kvexport.runtime.errors import PackageError
 from kvexport.runtime.package import PackageReader
 
@@ -75,7 +76,7 @@ def select_io_manager(manifest: dict) -> type[IOManager]:
 class LoadedPackage:
     """A package's manifest, its one copy of the weights, and its methods."""
 
-    def __init__(self, reader: PackageReader, verify: bool = True):
+    def __init__(self, reader: PackageReader, verify: bool = True, trust_native_code: bool = False):
         self.reader = reader
         self.manifest = reader.manifest
         self.backend = self.manifest.get("backend", {"id": "portable"})
@@ -83,13 +84,21 @@ class LoadedPackage:
         if self.backend["id"] == "aoti":
             target = self.backend["target"]
             check_target(target)
+            # before any byte of it is read: native code runs with the user's permissions
+            trust.require_native_code_trusted(reader, trust_native_code)
             self.device = target["device"]
             verify = True  # native code: never load a byte the manifest does not vouch for
         if verify:
             mf.require(reader.verify_checksums(), f"{reader.path}: the package is damaged")
         start = time.perf_counter()
-        # safetensors: no pickle; these tensors are the only copy every method binds.
-        self.tensors: dict[str, torch.Tensor] = load_file(reader.weights_path, device=self.device)
+        weights = reader.weights_path
+        try:
+            # safetensors: no pickle; these tensors are the only copy every method binds.
+            self.tensors: dict[str, torch.Tensor] = load_file(weights, device=self.device)
+        except (SafetensorError, OSError) as e:
+            raise PackageError(
+                f"weights.file {weights.name}: not a safetensors file this runtime can read ({type(e).__name__}: {str(e)[:200]})"
+            ) from None
         log.debug("loaded %d weight tensors in %.2f s", len(self.tensors), time.perf_counter() - start)
         self.aliases: dict[str, str] = self.manifest.get("weights", {}).get("aliases", {})
         self.state: dict[str, torch.Tensor] = {}  # runtime-owned tensors a program binds (ingraph_kv's cache)
@@ -115,8 +124,9 @@ class LoadedPackage:
             state.update({k: self._tensor(name, k) for k in names["buffers"]})
             constants = {k: self._tensor(name, k) for k in names["constants"]}
             constants.update({k: self._state(name, k) for k in names.get("state", [])})
-            program = torch_compat.graph_from_json(self.reader.program_json(name), state, constants)
-            module = program.module(check_guards=False)
+            program = torch_compat.graph_from_json(self.reader.program_json(name), state, constants, method=name)
+            _check_bound_tensors(program, name)
+            module = torch_compat.module_of(program, name)
             # The I/O manager builds every input from the manifest's specs;
             # the per-call shape checks cost milliseconds a step.
             module._forward_pre_hooks.clear()
@@ -124,12 +134,32 @@ class LoadedPackage:
             log.debug("rebuilt %s in %.2f s", name, time.perf_counter() - start)
         return self._methods[name]
 
+    def run(self, name: str, *inputs: torch.Tensor) -> Any:
+        """Calls a method on inputs the I/O manager built from the manifest.
+        The program is the package's, so one that fails on them is a broken
+        package (a graph edited by hand, say), named as such."""
+        method = self.method(name)
+        try:
+            return method(*inputs)
+        except torch.OutOfMemoryError:
+            raise  # the machine's limit, not the package's fault
+        except (RuntimeError, TypeError, ValueError, IndexError) as e:
+            raise PackageError(
+                f"methods.{name}: the program fails on the inputs its manifest describes ({type(e).__name__}: "
+                f"{str(e)[:300]}); the package is damaged or inconsistent: check it with kvexport validate, or export it again"
+            ) from e
+
     def _load_compiled(self, name: str) -> Callable:
         """An AOTInductor method with the package's tensors bound as
         user-managed constants (no copy), before it can ever be called:
         calling one with unbound constants crashes the process."""
+        if self.backend["id"] != "aoti":
+            # only the aoti branch of __init__ makes the trust decision
+            raise PackageError(f"methods.{name}.compiled: only an aoti package may hold compiled code (backend is {self.backend['id']!r})")
         entry = self.manifest["methods"][name]
         start = time.perf_counter()
+        # checked again now, not only at load: the file is opened minutes later, on first use
+        mf.require(self.reader.verify_checksums(only=[entry["compiled"]]), f"{self.reader.path}: the package is damaged")
         runner = torch._inductor.aoti_load_package(str(self.reader.file(entry["compiled"])))
         names = entry["weights"]
         state = set(names.get("state", []))
@@ -168,6 +198,29 @@ class LoadedPackage:
         return load_tokenizer(self.reader.tokenizer_dir)
 
 
+def _check_bound_tensors(program: torch.export.ExportedProgram, method: str) -> None:
+    """Every tensor bound into the program (weights, runtime state) has the
+    dtype and static shape the program was traced with: the weights file
+    and the manifest's state specs may disagree with the graph."""
+    sig = program.graph_signature
+    targets = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
+    bound = {**program.state_dict, **program.constants}
+    for node in program.graph.nodes:
+        if node.op != "placeholder" or node.name not in targets or targets[node.name] not in bound:
+            continue
+        want, tensor = node.meta.get("val"), bound[targets[node.name]]
+        if not isinstance(want, torch.Tensor) or not isinstance(tensor, torch.Tensor):
+            continue
+        shape = [d if isinstance(d, int) else None for d in want.shape]  # a symbolic dim takes any size
+        if tensor.dtype != want.dtype or len(shape) != tensor.dim() or any(
+            d is not None and d != t for d, t in zip(shape, tensor.shape)
+        ):
+            raise PackageError(
+                f"methods.{method}: {targets[node.name]!r} is bound as {str(tensor.dtype).removeprefix('torch.')} "
+                f"{list(tensor.shape)}, the program takes {str(want.dtype).removeprefix('torch.')} {list(want.shape)}"
+            )
+
+
 _ISA_ORDER = ("avx2", "avx512")
 
 
@@ -201,10 +254,19 @@ def check_target(target: dict) -> None:
         )
 
 
-def load(path: str | Path, *, verify: bool = True, **options: Any) -> IOManager:
+def load(
+    path: str | Path, *, verify: bool = True, trust_native_code: bool = False, expect_digest: str | None = None, **options: Any
+) -> IOManager:
     """Opens a package and returns the I/O manager its contract selects.
-    Options go to the manager (for offgraph_kv: max_cells, allocator)."""
+    Options go to the manager (for offgraph_kv: max_cells, allocator).
+
+    A package with native code (aoti) loads only when trusted: its manifest
+    digest is in the trust store (`kvexport trust`, or exported here), or
+    `trust_native_code`, or it equals `expect_digest`. A package whose digest
+    differs from `expect_digest` is refused, compiled or not."""
     reader = PackageReader(path)
+    trust.check_expected_digest(reader, expect_digest)
     manager_cls = select_io_manager(reader.manifest)
     mf.require(manager_cls.check_manifest(reader.manifest), f"{reader.path}: the package breaks its contract")
-    return manager_cls(LoadedPackage(reader, verify=verify), **options)
+    trusted = trust_native_code or expect_digest is not None  # a pin that matched vouches for the code
+    return manager_cls(LoadedPackage(reader, verify=verify, trust_native_code=trusted), **options)

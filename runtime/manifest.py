@@ -9,6 +9,7 @@ name are the same size within one call).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -115,20 +116,44 @@ def _int_list(value: Any) -> bool:
     return isinstance(value, list) and all(_is_int(v) for v in value)
 
 
+# Caps on what a manifest may declare, checked before the runtime allocates
+# anything from it (a max cell count of 2**62 would allocate 16 bytes per
+# cell of bookkeeping at load). Each is far above any model served today.
+MAX_CELLS = 1 << 24
+MAX_CONTEXT = 1 << 24
+MAX_STEP_TOKENS = 1 << 20
+MAX_VOCAB = 1 << 22
+MAX_LAYERS = 1024
+MAX_HEADS = 1024
+MAX_HEAD_DIM = 4096
+MAX_FORWARD_SIZES = 64
+
+
+def _bounded(hi: int, lo: int = 1) -> tuple[str, Any]:
+    return (f"int in {lo}..{hi}", lambda v: _is_int(v) and lo <= v <= hi)
+
+
+def _bounded_list(hi: int, lo: int = 1, max_len: int = MAX_LAYERS) -> tuple[str, Any]:
+    return (
+        f"list of at most {max_len} ints in {lo}..{hi}",
+        lambda v: _int_list(v) and len(v) <= max_len and all(lo <= x <= hi for x in v),
+    )
+
+
 _OFFGRAPH_METADATA_TYPES: dict[str, tuple[str, Any]] = {
-    "get_max_context_len": ("positive int", lambda v: _is_int(v) and v > 0),
-    "get_max_seq_len": ("positive int", lambda v: _is_int(v) and v > 0),
-    "get_vocab_size": ("positive int", lambda v: _is_int(v) and v > 0),
+    "get_max_context_len": _bounded(MAX_CONTEXT),
+    "get_max_seq_len": _bounded(MAX_STEP_TOKENS),
+    "get_vocab_size": _bounded(MAX_VOCAB),
     "get_logits_to_keep_mode": ("int", _is_int),
-    "get_n_caches": ("positive int", lambda v: _is_int(v) and v > 0),
-    "get_kv_heads": ("list of positive ints", lambda v: _int_list(v) and all(x > 0 for x in v)),
-    "get_head_dims": ("list of positive ints", lambda v: _int_list(v) and all(x > 0 for x in v)),
-    "get_windows": ("list of non-negative ints", lambda v: _int_list(v) and all(x >= 0 for x in v)),
-    "get_offgraph_kv_max_cells": ("positive int", lambda v: _is_int(v) and v > 0),
+    "get_n_caches": _bounded(MAX_LAYERS),
+    "get_kv_heads": _bounded_list(MAX_HEADS),
+    "get_head_dims": _bounded_list(MAX_HEAD_DIM),
+    "get_windows": _bounded_list(MAX_CONTEXT, lo=0),
+    "get_offgraph_kv_max_cells": _bounded(MAX_CELLS),
     "bos_id": ("int or null", lambda v: v is None or _is_int(v)),
-    "eos_ids": ("list of ints", _int_list),
+    "eos_ids": _bounded_list(MAX_VOCAB, lo=0),
     "dtype": (f"one of {', '.join(DTYPES)}", lambda v: v in DTYPES),
-    "forward_sizes": ("list of positive ints", lambda v: _int_list(v) and bool(v) and all(x > 0 for x in v)),
+    "forward_sizes": _bounded_list(MAX_STEP_TOKENS, max_len=MAX_FORWARD_SIZES),
 }
 
 
@@ -300,27 +325,26 @@ def format_shape(shape: Any) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
-_POSITIVE = ("positive int", lambda v: _is_int(v) and v > 0)
 _SINGLE_COMMON: dict[str, tuple[str, Any]] = {
-    "get_max_seq_len": _POSITIVE,
-    "get_vocab_size": _POSITIVE,
-    "get_n_layers": _POSITIVE,
+    "get_max_seq_len": _bounded(MAX_STEP_TOKENS),
+    "get_vocab_size": _bounded(MAX_VOCAB),
+    "get_n_layers": _bounded(MAX_LAYERS),
     "get_bos_id": ("int or null", lambda v: v is None or _is_int(v)),
-    "get_eos_ids": ("list of ints", _int_list),
+    "get_eos_ids": _bounded_list(MAX_VOCAB, lo=0),
     "dtype": (f"one of {', '.join(DTYPES)}", lambda v: v in DTYPES),
 }
 _INGRAPH_METADATA = {
     **_SINGLE_COMMON,
-    "get_max_context_len": _POSITIVE,
+    "get_max_context_len": _bounded(MAX_CONTEXT),
     "use_kv_cache": ("true", lambda v: v is True),
     "enable_dynamic_shape": ("true", lambda v: v is True),
 }
 _HF_STATIC_METADATA = {
     **_SINGLE_COMMON,
-    "get_max_cache_len": _POSITIVE,
-    "get_kv_heads": ("list of positive ints", lambda v: _int_list(v) and all(x > 0 for x in v)),
-    "get_head_dims": ("list of positive ints", lambda v: _int_list(v) and all(x > 0 for x in v)),
-    "get_windows": ("list of non-negative ints", lambda v: _int_list(v) and all(x >= 0 for x in v)),
+    "get_max_cache_len": _bounded(MAX_CONTEXT),
+    "get_kv_heads": _bounded_list(MAX_HEADS),
+    "get_head_dims": _bounded_list(MAX_HEAD_DIM),
+    "get_windows": _bounded_list(MAX_CONTEXT, lo=0),
 }
 
 
@@ -370,7 +394,12 @@ def check_single_sequence_manifest(manifest: Any, name: str) -> list[str]:
         problems.append(f"methods: {name} has exactly one method, forward; found {sorted(manifest['methods'])}")
         return problems
     expected = single_sequence_io(md["get_vocab_size"], md["get_max_seq_len"], geometry, TORCH_DTYPE_NAMES[md["dtype"]], md.get("get_max_cache_len", 0))
-    return problems + _check_method("forward", manifest["methods"]["forward"], "forward", expected) + check_backend(manifest)
+    return (
+        problems
+        + _check_method("forward", manifest["methods"]["forward"], "forward", expected)
+        + check_backend(manifest)
+        + check_bindings(manifest)
+    )
 
 
 BACKENDS = ("portable", "aoti")
@@ -383,7 +412,11 @@ def check_backend(manifest: dict) -> list[str]:
     if not isinstance(backend, dict) or backend.get("id") not in BACKENDS:
         return [f"backend: expected {{\"id\": one of {', '.join(BACKENDS)}}}, found {backend!r}"]
     if backend["id"] != "aoti":
-        return []
+        return [
+            f"methods.{name}.compiled: only an aoti package holds compiled code (backend is {backend['id']!r})"
+            for name, entry in manifest["methods"].items()
+            if isinstance(entry, dict) and "compiled" in entry
+        ]
     problems = []
     target = backend.get("target")
     if not isinstance(target, dict) or target.get("device") not in ("cpu", "cuda") or not isinstance(target.get("torch"), str):
@@ -394,6 +427,49 @@ def check_backend(manifest: dict) -> list[str]:
     return problems
 
 
+BINDING_KINDS = ("parameters", "buffers", "constants", "state")
+STATE_DTYPES = ("float32", "bfloat16", "float16")
+MAX_STATE_ELEMENTS = 1 << 36
+
+
+def check_bindings(manifest: dict) -> list[str]:
+    """Each method's tensor bindings (names into the weights file, or
+    runtime state) and the state buffers the runtime allocates for it."""
+    problems = []
+    weights = manifest.get("weights", {})
+    aliases = weights.get("aliases", {}) if isinstance(weights, dict) else None
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+        problems.append("weights.aliases: expected an object of tensor names")
+    for name, entry in manifest["methods"].items():
+        if not isinstance(entry, dict):
+            continue  # named by the contract's method check
+        names = entry.get("weights")
+        if not isinstance(names, dict) or not all(
+            isinstance(names.get(k), list) and all(isinstance(n, str) for n in names[k])
+            for k in BINDING_KINDS
+            if k in names or k != "state"  # the runtime reads the first three; state only where it allocates some
+        ):
+            problems.append(
+                f"methods.{name}.weights: expected lists of tensor names ({', '.join(BINDING_KINDS[:3])}, and state if any)"
+            )
+            continue
+        bound_state = set(names.get("state", []))
+        for i, state in enumerate(entry.get("state", [])) if isinstance(entry.get("state", []), list) else [(0, None)]:
+            if not (
+                isinstance(state, dict)
+                and state.get("name") in bound_state
+                and state.get("dtype") in STATE_DTYPES
+                and _int_list(state.get("shape"))
+                and all(0 < d <= MAX_CONTEXT for d in state["shape"])
+                and math.prod(state["shape"]) <= MAX_STATE_ELEMENTS
+            ):
+                problems.append(
+                    f"methods.{name}.state[{i}]: expected a bound name, a dtype of {', '.join(STATE_DTYPES)} and a shape "
+                    f"of positive ints (at most {MAX_STATE_ELEMENTS} elements), found {state!r:.200}"
+                )
+    return problems
+
+
 def check_offgraph_manifest(manifest: Any) -> list[str]:
     problems = _check_contract(manifest, OFFGRAPH_KV)
     if problems:
@@ -401,7 +477,7 @@ def check_offgraph_manifest(manifest: Any) -> list[str]:
     problems = check_offgraph_metadata(manifest["metadata"])
     if problems:
         return problems
-    return check_offgraph_methods(manifest) + check_backend(manifest)
+    return check_offgraph_methods(manifest) + check_backend(manifest) + check_bindings(manifest)
 
 
 def check_manifest(manifest: Any) -> list[str]:

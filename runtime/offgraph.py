@@ -137,9 +137,9 @@ class OffgraphKVManager(IOManager):
             self._own(entry.session)
             if entry.session.seq in counts:
                 raise RuntimeRefusal(f"{entry.session!r} appears twice in one step")
+            check_token_ids(entry.tokens, self.vocab_size, repr(entry.session))
             if len(entry.tokens) == 0:
                 raise RuntimeRefusal(f"{entry.session!r}: a step entry needs at least one token")
-            check_token_ids(entry.tokens, self.vocab_size, repr(entry.session))
             counts[entry.session.seq] = len(entry.tokens)
         self.cache.check_step(counts)
         return counts
@@ -191,7 +191,8 @@ class OffgraphKVManager(IOManager):
             step_cells = _pad(cells[sl], pad, SCRATCH_CELL)
             step_bits = _pad(bits[sl], pad, 0)
             masks = self.cache.masks(step_bits, step_pos, n_cells)
-            logits = self.package.method(piece.method)(
+            logits = self.package.run(
+                piece.method,
                 self._io(step_tokens.unsqueeze(0)),
                 self._io(step_pos),
                 self._io(torch.tensor(keep, dtype=torch.int64)),
@@ -214,17 +215,23 @@ class OffgraphKVManager(IOManager):
         greedy = bool((params[:, 0] <= 0).all())
         params = params.to(logits.device)
         if on_device and greedy and self.package.has_method("sample_argmax"):
-            return self.package.method("sample_argmax")(self._io(logits))
+            return self.package.run("sample_argmax", self._io(logits))
         if on_device and self.package.has_method("sample"):
-            return self.package.method("sample")(self._io(logits), self._io(params))
+            return self.package.run("sample", self._io(logits), self._io(params))
         return sample_argmax(logits) if greedy else sample(logits, params)
 
 
 def check_token_ids(tokens: Sequence[Any], vocab_size: int, who: str) -> None:
-    """Token ids are integers (Python, numpy or 0-d tensors) in the vocabulary."""
+    """Token ids are a sequence of integers (Python, numpy or 0-d tensors) in
+    the vocabulary. A bool is refused although Python counts it an int:
+    True as a token id is a caller's bug, not token 1."""
+    if tokens is None or isinstance(tokens, (str, bytes)) or not hasattr(tokens, "__len__"):
+        raise RuntimeRefusal(f"{who}: token ids must be a sequence of integers, got {type(tokens).__name__}")
     bad_type = []
     for t in tokens:
         try:
+            if isinstance(t, bool) or (isinstance(t, torch.Tensor) and t.dtype == torch.bool):
+                raise TypeError
             operator.index(t)
         except TypeError:
             bad_type.append(t)

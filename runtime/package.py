@@ -10,12 +10,18 @@ that knows where things live inside a package directory:
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import json
+import logging
 import os
+import re
+import secrets
 import shutil
 import tempfile
+import time
+import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -25,6 +31,8 @@ MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
 PROGRAMS_DIR = "programs"
 TOKENIZER_DIR = "tokenizer"
+
+log = logging.getLogger(__name__)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -44,21 +52,22 @@ def dump_manifest(manifest: dict) -> str:
 
 
 class PackageWriter:
-    """Builds a package in a hidden sibling directory; `commit` moves it into
-    place with one rename, so PKG never holds half a package. Use as a context
-    manager: leaving the block by an exception (Ctrl-C included) removes the
-    partial directory."""
+    """Builds a package in a hidden sibling directory, `.PKG.partial-PID-*`;
+    `commit` moves it into place with one rename, so PKG never holds half a
+    package. Use as a context manager: leaving the block by an exception
+    (Ctrl-C included) removes the partial directory. A writer killed outright
+    leaves it behind; the next writer to the same PKG removes it."""
 
     def __init__(self, target: Path, overwrite: bool = False):
         self.target = Path(target).absolute()
-        if self.target.exists() and not overwrite:
-            raise ExportError(f"{self.target} already exists; remove it or pass --overwrite")
-        if self.target.exists() and not _replaceable(self.target):
-            raise ExportError(
-                f"{self.target} is not a kvexport package (no kvexport manifest.json); --overwrite only replaces packages"
-            )
-        self.target.parent.mkdir(parents=True, exist_ok=True)
-        self.root = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.partial-", dir=self.target.parent))
+        self.overwrite = overwrite
+        check_output(self.target, overwrite)
+        _make_parent(self.target)
+        remove_stale(self.target)
+        try:
+            self.root = Path(tempfile.mkdtemp(prefix=f".{self.target.name}.partial-{os.getpid()}-", dir=self.target.parent))
+        except OSError as e:
+            raise _unwritable(self.target, e) from None
         (self.root / PROGRAMS_DIR).mkdir()
         self.committed = False
 
@@ -97,17 +106,41 @@ class PackageWriter:
         }
         (self.root / MANIFEST).write_text(dump_manifest(manifest))
         _apply_umask(self.root)
-        backup = None
-        if self.target.exists():
-            backup = self.target.with_name(f".{self.target.name}.old-{os.getpid()}")
-            os.rename(self.target, backup)
+        if self.overwrite:
+            self._replace()
+        else:
+            self._place()
+        self.committed = True
+
+    def _place(self) -> None:
+        """Without --overwrite nothing is moved aside: a rename onto a
+        non-empty directory fails atomically, so of two exports racing to one
+        new PKG exactly one wins and the other fails with nothing lost."""
         try:
             os.rename(self.root, self.target)
+        except OSError as e:
+            if e.errno in _TAKEN:
+                raise _raced(self.target) from None
+            raise _unwritable(self.target, e) from None
+
+    def _replace(self) -> None:
+        """Moves the old package aside, renames the new one in, then removes
+        the old one; what is at PKG is checked again, since another export
+        may have written it since the writer was created."""
+        check_output(self.target, overwrite=True)
+        backup = None
+        if self.target.exists():
+            backup = self.target.with_name(f".{self.target.name}.old-{os.getpid()}-{secrets.token_hex(4)}")
+            try:
+                os.rename(self.target, backup)
+            except OSError as e:
+                raise _unwritable(self.target, e) from None
+        try:
+            self._place()
         except BaseException:
             if backup is not None:
-                os.rename(backup, self.target)  # put the old package back
+                _restore(backup, self.target)
             raise
-        self.committed = True
         if backup is not None:
             shutil.rmtree(backup, ignore_errors=True)
 
@@ -122,6 +155,138 @@ def _replaceable(path: Path) -> bool:
         return False
 
 
+def check_output(target: Path, overwrite: bool = False) -> None:
+    """Refuses an output path no package can be written to, naming it and
+    the fix. The exporter calls it before loading the model, so a bad -o
+    fails in a second, not after the tracing; the writer calls it again."""
+    target = Path(target).absolute()
+    if target.is_symlink():
+        # the commit renames onto PKG, which would replace the link itself
+        raise ExportError(f"{target} is a symlink to {os.readlink(target)}; pass -o {target.resolve()}")
+    _check_parent(target)
+    if target.is_file():
+        raise ExportError(f"{target} is a file, not a kvexport package; choose another -o")
+    if target.exists() and not _replaceable(target):
+        raise ExportError(
+            f"{target} is not a kvexport package (no kvexport manifest.json); --overwrite only replaces packages: "
+            f"choose another -o"
+        )
+    if target.exists() and not overwrite:
+        raise ExportError(f"{target} already exists; remove it or pass --overwrite")
+
+
+def _check_parent(target: Path) -> None:
+    """The nearest existing folder above PKG must be a directory we can
+    write in (the missing ones between are created)."""
+    ancestor = target.parent
+    while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ExportError(f"{ancestor} is a file, not a directory, so {target} cannot be created; choose another -o")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ExportError(f"cannot write {target}: {ancestor} is not writable; choose an -o in a directory you can write to")
+
+
+def _make_parent(target: Path) -> None:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ExportError(f"a file is in the way of {target.parent}; choose another -o") from None
+    except OSError as e:
+        raise _unwritable(target, e) from None
+
+
+def _unwritable(target: Path, error: OSError) -> ExportError:
+    return ExportError(
+        f"cannot write {target}: {error.strerror or error} in {target.parent}; "
+        f"choose an -o in a directory you can write to"
+    )
+
+
+def _raced(target: Path) -> ExportError:
+    return ExportError(
+        f"another export wrote {target} while this one ran; this one's package was discarded and nothing was "
+        f"replaced: export again with --overwrite to replace it, or choose another -o"
+    )
+
+
+# what rename(2) says when something already took the target's place
+_TAKEN = (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR)
+
+
+def _restore(backup: Path, target: Path) -> None:
+    try:
+        os.rename(backup, target)  # put the old package back
+    except OSError:
+        # another export's package is at PKG now; both were asked to replace the old one
+        log.warning("%s: another export replaced it meanwhile; removing the old package moved aside to %s", target, backup)
+        shutil.rmtree(backup, ignore_errors=True)
+
+
+STALE_AGE_S = 60.0
+_STALE = r"\.{name}\.(?:partial-(\d+)-[^/]+|old-(\d+)(?:-[0-9a-f]+)?)"
+
+
+def remove_stale(target: Path, min_age: float = STALE_AGE_S) -> list[Path]:
+    """Removes what writers of PKG killed outright (kill -9, power loss) left
+    beside it: partial directories (a full copy of the weights each) and
+    backups whose process is gone and that nothing touched for `min_age`
+    seconds. The age spares a writer in another PID namespace or on another
+    host sharing the folder, which looks dead from here. Returns what it
+    removed."""
+    target = Path(target).absolute()
+    pattern = re.compile(_STALE.format(name=re.escape(target.name)))
+    try:
+        entries = list(target.parent.iterdir())
+    except OSError:
+        return []
+    removed = []
+    for path in entries:
+        match = pattern.fullmatch(path.name)
+        if match is None:
+            continue
+        pid = int(match[1] or match[2])
+        age = _idle_seconds(path)
+        if age is None or age < min_age or _alive(pid):
+            continue
+        _remove(path)
+        log.info("removed %s, left %.0f s ago by export process %d, which is no longer running", path, age, pid)
+        removed.append(path)
+    return removed
+
+
+def _idle_seconds(path: Path) -> float | None:
+    """Seconds since a file last landed in `path` or its subfolders one level
+    down (programs/, tokenizer/), where a live writer adds them."""
+    try:
+        below = [] if path.is_symlink() else [p for p in path.iterdir() if p.is_dir() and not p.is_symlink()]
+        newest = max(p.lstat().st_mtime for p in [path, *below])
+    except OSError:
+        return None
+    return time.time() - newest
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    except (OverflowError, OSError):
+        return False
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink():  # an old kvexport moved a symlink at PKG aside
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _apply_umask(root: Path) -> None:
     """mkdtemp makes a private directory; give the package the modes any
     other file the user writes gets."""
@@ -133,40 +298,78 @@ def _apply_umask(root: Path) -> None:
 
 
 class PackageReader:
-    """Reads a package directory. Never unpickles anything."""
+    """Reads a package directory. Never unpickles anything, and never reads
+    outside the package: every path the manifest names is relative, has no
+    `..`, and leads through no symlink; the package holds only directories
+    and regular files (a FIFO would hang a read, a link would leave)."""
 
     def __init__(self, path: Path | str):
         self.path = Path(path)
         if not self.path.is_dir():
             raise PackageError(f"{self.path}: no such package directory")
         manifest_path = self.path / MANIFEST
-        if not manifest_path.is_file():
+        if not manifest_path.is_file() or manifest_path.is_symlink():
             raise PackageError(f"{self.path}: not a kvexport package ({MANIFEST} is missing)")
+        self.layout_problems = _layout_problems(self.path)
+        if manifest_path.stat().st_size > MAX_MANIFEST_BYTES:
+            raise PackageError(f"{manifest_path}: {manifest_path.stat().st_size} bytes, more than a manifest holds ({MAX_MANIFEST_BYTES})")
+        self.manifest_bytes = manifest_path.read_bytes()
         try:
-            self.manifest: dict[str, Any] = json.loads(manifest_path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise PackageError(f"{manifest_path}: not valid JSON ({e})") from e
+            self.manifest: dict[str, Any] = json.loads(self.manifest_bytes)
+        except (ValueError, RecursionError) as e:
+            raise PackageError(f"{manifest_path}: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+        if not isinstance(self.manifest, dict):
+            raise PackageError(f"{manifest_path}: not a JSON object (found a {type(self.manifest).__name__})")
 
-    def file(self, rel: str) -> Path:
+    def file(self, rel: Any, what: str = "file") -> Path:
+        """The package path `rel` names, refused unless it stays inside."""
+        problem = self.path_problem(rel)
+        if problem is not None:
+            raise PackageError(f"{self.path}: {what} {rel!r:.200}: {problem}")
         return self.path / rel
+
+    def path_problem(self, rel: Any) -> str | None:
+        """Why `rel` may not be read, or None: it must be relative, stay
+        inside, and lead through no link or special file."""
+        problem = confined_problem(rel)
+        if problem is not None:
+            return problem
+        parts = rel.split("/")
+        for prefix in ("/".join(parts[: i + 1]) for i in range(len(parts))):
+            if prefix in self.layout_problems:
+                return self.layout_problems[prefix]
+        return None if _inside(self.path, self.path / rel) else "resolves outside the package"
 
     def referenced_files(self) -> list[str]:
         """Every file the manifest points at (weights, programs, compiled)."""
-        refs = [self.manifest.get("weights", {}).get("file", WEIGHTS)]
-        for entry in self.manifest.get("methods", {}).values():
+        weights = self.manifest.get("weights")
+        refs = [weights.get("file", WEIGHTS) if isinstance(weights, dict) else WEIGHTS]
+        methods = self.manifest.get("methods")
+        for entry in methods.values() if isinstance(methods, dict) else ():
             if isinstance(entry, dict):
-                refs += [entry[k] for k in ("program", "compiled") if isinstance(entry.get(k), str)]
+                refs += [entry[k] for k in ("program", "compiled") if k in entry]
         return refs
 
     def verify_checksums(self, only: list[str] | None = None) -> list[str]:
         """Compares files against the manifest; returns the mismatches. A
-        file the manifest points at must be listed (and so checked)."""
+        file the manifest points at must be listed (and so checked). A path
+        that would leave the package is refused before anything touches it,
+        so the answer never tells whether a file outside exists."""
         files = self.manifest.get("files")
         if not isinstance(files, dict):
             return ["files: missing from the manifest"]
-        problems = [f"files.{rel}: the manifest uses it but lists no checksum for it" for rel in self.referenced_files() if rel not in files]
+        problems = sorted(f"files.{rel}: {why}" for rel, why in self.layout_problems.items())
+        for rel in self.referenced_files():
+            if (why := confined_problem(rel)) is not None:
+                problems.append(f"{rel!r:.200}: {why}")
+            elif rel not in files:
+                problems.append(f"files.{rel}: the manifest uses it but lists no checksum for it")
         for rel, entry in sorted(files.items()):
             if only is not None and rel not in only:
+                continue
+            if (why := self.path_problem(rel)) is not None:
+                if rel not in self.layout_problems:  # those are listed above
+                    problems.append(f"files.{rel!r:.200}: {why}")
                 continue
             path = self.path / rel
             if not path.is_file():
@@ -176,25 +379,83 @@ class PackageReader:
             elif sha256_file(path) != entry.get("sha256"):
                 problems.append(f"files.{rel}: checksum differs from the manifest")
         listed = set(files)
-        for path in self.path.rglob("*"):
-            rel = path.relative_to(self.path).as_posix()
-            if path.is_file() and rel != MANIFEST and rel not in listed:
+        for rel in _package_files(self.path):
+            if rel != MANIFEST and rel not in listed:
                 problems.append(f"files.{rel}: in the package but not in the manifest")
         return problems
 
     def program_json(self, method: str) -> bytes:
         rel = self.manifest["methods"][method]["program"]
-        with gzip.open(self.path / rel, "rb") as f:
-            return f.read()
+        path = self.file(rel, f"methods.{method}.program")
+        try:
+            with gzip.open(path, "rb") as f:
+                data = f.read(MAX_PROGRAM_BYTES + 1)
+        except (OSError, EOFError, zlib.error) as e:
+            raise PackageError(f"methods.{method}.program: cannot read {rel} ({type(e).__name__}: {e})") from None
+        if len(data) > MAX_PROGRAM_BYTES:
+            raise PackageError(f"methods.{method}.program: {rel} unpacks to more than {MAX_PROGRAM_BYTES} bytes")
+        return data
 
     @property
     def weights_path(self) -> Path:
-        return self.path / self.manifest.get("weights", {}).get("file", WEIGHTS)
+        weights = self.manifest.get("weights")
+        return self.file(weights.get("file", WEIGHTS) if isinstance(weights, dict) else WEIGHTS, "weights.file")
 
     @property
     def tokenizer_dir(self) -> Path | None:
         tok = self.manifest.get("tokenizer")
-        return self.path / tok["dir"] if tok else None
+        if not tok:
+            return None
+        rel = tok.get("dir") if isinstance(tok, dict) else tok
+        path = self.file(rel, "tokenizer.dir")
+        if not path.is_dir():
+            raise PackageError(f"{self.path}: tokenizer.dir {rel!r:.200}: not a directory in the package")
+        return path
 
     def total_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
+        return sum((self.path / rel).stat().st_size for rel in _package_files(self.path))
+
+
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_PROGRAM_BYTES = 1 << 30  # a 70B model's graph is tens of MB; bounds a gzip bomb
+
+
+def confined_problem(rel: Any) -> str | None:
+    """Why `rel` is not a plain relative path inside a package, or None."""
+    if not isinstance(rel, str) or not rel:
+        return "not a relative path string"
+    if "\\" in rel or "\0" in rel or rel.startswith("/") or os.path.isabs(rel):
+        return "an absolute path or odd characters; package paths are relative, with /"
+    if any(part in ("", ".", "..") for part in rel.split("/")):
+        return "has an empty, '.' or '..' part; package paths stay inside the package"
+    return None
+
+
+def _inside(root: Path, path: Path) -> bool:
+    real_root = os.path.realpath(root)
+    return os.path.commonpath([real_root, os.path.realpath(path)]) == real_root
+
+
+def _package_files(root: Path) -> list[str]:
+    """Relative paths of the package's regular files, without following links."""
+    out = []
+    for folder, dirs, names in os.walk(root, followlinks=False):
+        for name in names:
+            path = Path(folder) / name
+            if path.is_file() and not path.is_symlink():
+                out.append(path.relative_to(root).as_posix())
+    return sorted(out)
+
+
+def _layout_problems(root: Path) -> dict[str, str]:
+    """Every entry of the package that is not a directory or regular file."""
+    problems = {}
+    for folder, dirs, names in os.walk(root, followlinks=False):
+        for name in dirs + names:
+            path = Path(folder) / name
+            rel = path.relative_to(root).as_posix()
+            if path.is_symlink():
+                problems[rel] = "a symlink; a package holds no links"
+            elif not (path.is_dir() or path.is_file()):
+                problems[rel] = "not a regular file"
+    return problems

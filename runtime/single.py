@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from kvexport.runtime import manifest as mf
-from kvexport.runtime.cell_cache import Allocator, io_buffer, zeros_allocator
+from kvexport.runtime.cell_cache import Allocator, allocate, io_buffer, zeros_allocator
 from kvexport.runtime.errors import CapacityError, RuntimeRefusal
 from kvexport.runtime.loader import IOManager, LoadedPackage, register_io_manager
 from kvexport.runtime.offgraph import check_token_ids
@@ -51,9 +51,9 @@ class SingleSequenceManager(IOManager):
 
     def check(self, tokens: Sequence[int]) -> None:
         """Refuses, before anything runs, what the context cannot hold."""
-        if not tokens:
-            raise RuntimeRefusal("a step needs at least one token")
         check_token_ids(tokens, self.vocab_size, "the sequence")
+        if len(tokens) == 0:
+            raise RuntimeRefusal("a step needs at least one token")
         if self.position + len(tokens) > self.context:
             raise CapacityError(
                 f"the sequence would reach {self.position + len(tokens)} tokens, past the context of {self.context}"
@@ -64,14 +64,14 @@ class SingleSequenceManager(IOManager):
         """Feeds tokens (in chunks of at most get_max_seq_len); returns the
         last token's logits [V]."""
         self.check(tokens)
-        forward = self.package.method("forward")
+        self.package.method("forward")  # rebuilt before any state changes
         logits = None
         start_position = self.position
         try:
             for start in range(0, len(tokens), self.max_step):
                 chunk = [int(t) for t in tokens[start : start + self.max_step]]
                 positions = torch.arange(self.position, self.position + len(chunk))
-                logits = forward(self._io(torch.tensor([chunk])), self._io(positions), *self.caches)
+                logits = self.package.run("forward", self._io(torch.tensor([chunk])), self._io(positions), *self.caches)
                 self.position += len(chunk)
         except BaseException:
             self.position = start_position  # what was written past it is masked out
@@ -92,7 +92,7 @@ class IngraphKVManager(SingleSequenceManager):
         # the program's cache buffers: bound once, so no per-call inputs
         state = {}
         for spec in self.package.manifest["methods"]["forward"].get("state", []):
-            state[spec["name"]] = self.allocator(tuple(spec["shape"]), getattr(torch, spec["dtype"]), self.device)
+            state[spec["name"]] = allocate(self.allocator, tuple(spec["shape"]), getattr(torch, spec["dtype"]), self.device)
         self.package.state.update(state)
         self.state_buffers = list(state.values())
         return []
@@ -104,4 +104,4 @@ class HFStaticManager(SingleSequenceManager):
 
     def _allocate_caches(self) -> list[torch.Tensor]:
         specs = [s for s in self.package.manifest["methods"]["forward"]["inputs"] if s["role"] in ("kv_k", "kv_v")]
-        return [self.allocator(tuple(s["shape"]), getattr(torch, s["dtype"]), self.device) for s in specs]
+        return [allocate(self.allocator, tuple(s["shape"]), getattr(torch, s["dtype"]), self.device) for s in specs]

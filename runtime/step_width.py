@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvexport.runtime.errors import PackageError
+from kvexport.runtime.program_check import symbol_of
 
 _SPEC = re.compile(r"([0-9]+):([0-9]+)")
 _INDEX_OPS = ("embedding", "index", "gather", "scatter")
@@ -122,8 +123,9 @@ def view_of_serialized(program: dict) -> GraphView:
             view.user_inputs.append(spec["user_input"]["arg"]["as_tensor"]["name"])
     for name, meta in graph["tensor_values"].items():
         view.dtypes[name] = _scalar_name(ScalarType(meta["dtype"]).name)
+        # a dynamic dim as its symbol's name (s27), as range_constraints keys it
         view.shapes[name] = tuple(
-            s["as_int"] if "as_int" in s else s["as_expr"]["expr_str"] for s in meta["sizes"]
+            s["as_int"] if "as_int" in s else symbol_of(s["as_expr"]["expr_str"]) for s in meta["sizes"]
         )
     for node in graph["nodes"]:
         outputs = [o["as_tensor"]["name"] for o in node["outputs"] if "as_tensor" in o]

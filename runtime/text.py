@@ -55,4 +55,5 @@ def load_tokenizer(directory: Path | None) -> Text:
         raise KvexportError("this package carries no tokenizer; pass token ids with --prompt-ids instead of --prompt")
     from transformers import AutoTokenizer  # only the tokenizer; no model code
 
-    return Text(AutoTokenizer.from_pretrained(str(directory)))
+    # a package's tokenizer is data: no code from it, nothing fetched
+    return Text(AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False, local_files_only=True))

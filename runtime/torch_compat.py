@@ -11,13 +11,17 @@ serde module's `serialize(..., serialize_state_dict=False, ...)` and its
 
 from __future__ import annotations
 
+import contextlib
+import json
 import types
 import typing
 
+import sympy
 import torch
 from torch._export.serde import serialize as serde
 
 from kvexport.runtime.errors import PackageError
+from kvexport.runtime.program_check import UnsafeProgram, check_program, parse_sym_expr
 
 
 def graph_to_json(program: torch.export.ExportedProgram) -> bytes:
@@ -69,19 +73,96 @@ def _cache_serde_type_hints() -> None:
 
 
 def graph_from_json(
-    graph_json: bytes,
+    program: bytes | dict,
     state_dict: dict[str, torch.Tensor],
     constants: dict[str, torch.Tensor],
+    method: str = "program",
 ) -> torch.export.ExportedProgram:
     """Rebuilds a program around tensors the caller owns (they are bound, not
-    copied). Passing dicts keeps the serializer from ever calling torch.load."""
+    copied). Passing dicts keeps the serializer from ever calling torch.load.
+
+    Package text never reaches code: the program must pass the allowlist
+    (program_check) first, its guards code and node metadata (which the
+    deserializer resolves as attribute paths) are dropped, and symbolic
+    sizes are built by program_check's own parser instead of sympify."""
+    if isinstance(program, (bytes, str)):
+        program = parse_program_json(program, method)
+    problems = check_program(method, program)
+    if problems:
+        raise PackageError("the program holds what a package may not:\n  " + "\n  ".join(problems))
+    program = _inert(program)
     _cache_serde_type_hints()
     try:
-        return serde.deserialize(serde.SerializedArtifact(graph_json, state_dict, constants, b""))
+        with _safe_sympify():
+            serialized = serde._dict_to_dataclass(serde.ExportedProgram, program)
+            return serde.ExportedProgramDeserializer().deserialize(serialized, state_dict, constants, b"")
+    except UnsafeProgram as e:
+        raise PackageError(f"methods.{method}.program: {e}") from e
     except Exception as e:  # the serializer raises many types; name the cause
         raise PackageError(
-            f"cannot rebuild an exported program with torch {torch.__version__} ({type(e).__name__}: {e})"
+            f"methods.{method}.program: cannot rebuild an exported program with torch {torch.__version__} "
+            f"({type(e).__name__}: {str(e)[:300]})"
         ) from e
+
+
+def module_of(program: torch.export.ExportedProgram, method: str = "program") -> torch.fx.GraphModule:
+    """The program's runnable module. torch 2.13's unlifting asserts on
+    what its deserializer lets through (a signature that does not match the
+    graph, say); from a package that is the package's fault, named."""
+    try:
+        return program.module(check_guards=False)
+    except Exception as e:
+        raise PackageError(
+            f"methods.{method}.program: cannot make a runnable module with torch {torch.__version__} "
+            f"({type(e).__name__}: {str(e)[:300]})"
+        ) from e
+
+
+def parse_program_json(data: bytes | str, method: str) -> dict:
+    try:
+        program = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise PackageError(f"methods.{method}.program: not valid JSON ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(program, dict):
+        raise PackageError(f"methods.{method}.program: not a JSON object")
+    return program
+
+
+def _inert(program: dict) -> dict:
+    """A shallow copy without guards code, and nodes without metadata: the
+    runtime needs neither, and both are strings torch would interpret."""
+    program = dict(program, guards_code=[])
+    graph_module = dict(program["graph_module"])
+    graph = dict(graph_module["graph"])
+    graph["nodes"] = [dict(node, metadata={}) for node in graph["nodes"]]
+    graph_module["graph"] = graph
+    program["graph_module"] = graph_module
+    return program
+
+
+def _sympify_package_text(expr, locals=None, **kwargs):  # noqa: A002 (sympy's parameter name)
+    """sympify as the deserializer may call it: package text goes through
+    program_check's parser; sympy objects it built already pass through."""
+    if isinstance(expr, sympy.Basic):
+        return expr
+    return parse_sym_expr(expr)
+
+
+def _sympy_without_sympify() -> types.ModuleType:
+    module = types.ModuleType("sympy")
+    module.__dict__.update(sympy.__dict__)
+    module.sympify = _sympify_package_text
+    return module
+
+
+@contextlib.contextmanager
+def _safe_sympify():
+    original = serde.sympy
+    serde.sympy = _sympy_without_sympify()
+    try:
+        yield
+    finally:
+        serde.sympy = original
 
 
 def placeholder_names(program: torch.export.ExportedProgram) -> dict[str, list[str]]:

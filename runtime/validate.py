@@ -3,14 +3,17 @@ read as JSON; nothing is rebuilt, compiled or unpickled."""
 
 from __future__ import annotations
 
-import gzip
 import json
+import math
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvexport.runtime.errors import PackageError
 from kvexport.runtime.loader import select_io_manager
 from kvexport.runtime.package import PackageReader
+from kvexport.runtime.torch_compat import parse_program_json
+from kvexport.runtime.program_check import check_program
 from kvexport.runtime.step_width import GraphView, StepWidthError, check_step_width, view_of_serialized
 
 
@@ -31,6 +34,8 @@ class Report:
 
 
 def validate_package(path: str | Path) -> Report:
+    """Every violation the package holds, never an exception: a package is
+    untrusted input, and a CI job needs the whole list."""
     report = Report(str(path))
     try:
         reader = PackageReader(path)
@@ -47,21 +52,131 @@ def validate_package(path: str | Path) -> Report:
     report.checked.append(f"{len(manifest['files'])} checksums")
     if contract_problems:
         return report  # the programs cannot be compared with an invalid manifest
+    try:
+        header = weights_header(reader)
+    except PackageError as e:
+        report.violations.append(str(e))
+        header = None
     for name, entry in manifest["methods"].items():
-        try:
-            program = json.loads(gzip.decompress((reader.path / entry["program"]).read_bytes()))
-        except (OSError, ValueError) as e:
-            report.violations.append(f"methods.{name}.program: cannot read {entry['program']} ({e})")
-            continue
+        report.violations += check_method(reader, name, entry, header)
+    report.checked.append(
+        f"{len(manifest['methods'])} programs against the allowlist, their specs, step widths and the weights they bind"
+    )
+    return report
+
+
+def check_method(reader: PackageReader, name: str, entry: dict, header: dict | None) -> list[str]:
+    """One method's stored program: the allowlist, then its I/O against the
+    manifest, its step width, and the tensors it binds against the weights."""
+    try:
+        program = parse_program_json(reader.program_json(name), name)
+    except PackageError as e:
+        return [str(e)]
+    problems = check_program(name, program)
+    if problems:
+        return problems
+    try:
         view = view_of_serialized(program)
-        report.violations += check_program_io(name, entry, program, view)
+        problems += check_program_io(name, entry, program, view)
         if "step_width" in entry:
             try:
                 check_step_width(entry["step_width"], view)
             except StepWidthError as e:
-                report.violations.append(f"methods.{name}.step_width: {e}")
-    report.checked.append(f"{len(manifest['methods'])} programs against their specs and step widths")
-    return report
+                problems.append(f"methods.{name}.step_width: {e}")
+        if header is not None:
+            problems += check_bound_tensors(name, entry, program, view, header, reader.manifest)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        problems.append(f"methods.{name}.program: malformed program ({type(e).__name__}: {str(e)[:200]})")
+    return problems
+
+
+def weights_header(reader: PackageReader) -> dict:
+    """The safetensors header of the weights file: name -> (dtype, shape).
+    Read alone (8 bytes of length, then JSON), no tensor is loaded; the
+    tensors' byte ranges must tile the rest of the file, as the loader
+    requires."""
+    path = reader.weights_path
+    where = f"weights.file {path.name}"
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > MAX_HEADER_BYTES:
+                raise PackageError(f"{where}: a header of {size} bytes is not safetensors")
+            header = json.loads(f.read(size))
+        data_bytes = path.stat().st_size - 8 - size
+    except (OSError, struct.error, ValueError, RecursionError) as e:
+        raise PackageError(f"{where}: not a safetensors file ({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(header, dict):
+        raise PackageError(f"{where}: the header is not a JSON object")
+    out, spans = {}, []
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if not (isinstance(info, dict) and DTYPE_BYTES.get(str(info.get("dtype"))) and _ints(info.get("shape"))):
+            raise PackageError(f"{where}: tensor {key!r:.100} has no known dtype and shape of ints")
+        offsets = info.get("data_offsets")
+        if not (_ints(offsets) and len(offsets) == 2 and offsets[1] - offsets[0] == math.prod(info["shape"]) * DTYPE_BYTES[info["dtype"]]):
+            raise PackageError(f"{where}: tensor {key!r:.100}: data_offsets {offsets!r:.80} do not hold its dtype and shape")
+        spans.append(offsets)
+        out[key] = (SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"]), tuple(info["shape"]))
+    end = 0
+    for begin, stop in sorted(spans):
+        if begin != end:
+            raise PackageError(f"{where}: the tensors' bytes overlap or leave a gap at byte {end} of the data")
+        end = stop
+    if end != data_bytes:
+        raise PackageError(f"{where}: the tensors take {end} bytes, the file holds {data_bytes} after its header")
+    return out
+
+
+def _ints(value: object) -> bool:
+    """A list of non-negative ints (a shape, or a byte range)."""
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+
+
+MAX_HEADER_BYTES = 100 << 20
+DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+               "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def check_bound_tensors(
+    method: str, entry: dict, program: dict, view: GraphView, header: dict, manifest: dict
+) -> list[str]:
+    """Every tensor the program takes from the weights file exists there
+    with the dtype and shape the program was traced with."""
+    aliases = manifest.get("weights", {}).get("aliases", {})
+    state = set(entry["weights"].get("state", []))
+    # what the runtime allocates for them (check_bindings vouched for the specs)
+    allocated = {s["name"]: (s["dtype"], tuple(s["shape"])) for s in entry.get("state", [])}
+    problems = []
+    for spec in program["graph_module"]["signature"]["input_specs"]:
+        kind = next((k for k in ("parameter", "buffer", "tensor_constant") if k in spec), None)
+        if kind is None:
+            continue
+        target = spec[kind].get("parameter_name") or spec[kind].get("buffer_name") or spec[kind].get("tensor_constant_name")
+        placeholder = spec[kind]["arg"]["name"]
+        want_dtype, want_shape = view.dtypes.get(placeholder), view.shapes.get(placeholder)
+        if target in state:  # allocated by the runtime, not read from the file
+            if target in allocated and allocated[target] != (want_dtype, want_shape):
+                dtype, shape = allocated[target]
+                problems.append(
+                    f"methods.{method}.state: {target!r} is {dtype} {list(shape)}, the program takes "
+                    f"{want_dtype} {list(want_shape or ())}"
+                )
+            continue
+        key = aliases.get(target, target)
+        where = f"methods.{method}.weights: {target!r}"
+        if key not in header:
+            problems.append(f"{where} is not in the weights file")
+            continue
+        dtype, shape = header[key]
+        if dtype != want_dtype or shape != want_shape:
+            problems.append(
+                f"{where}: the weights file holds {dtype} {list(shape)}, the program takes {want_dtype} {list(want_shape or ())}"
+            )
+    return problems
 
 
 def check_program_io(method: str, entry: dict, program: dict, view: GraphView) -> list[str]:

@@ -9,6 +9,16 @@ from kvexport.exporter.models import load_model
 from kvexport.runtime import OffgraphKVManager, load
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_trust_dir(tmp_path_factory):
+    """One trust store for the session, never the user's: the aoti packages
+    exported here are recorded in it, so they load like a user's own."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("trust")
+        mp.setenv("KVEXPORT_TRUST_DIR", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def tiny_package(tmp_path_factory):
     """(model name, backend) -> exported package path (fp32)."""

@@ -132,7 +132,7 @@ def broken_copy(tmp_path, source, edit):
         (lambda m: m["contract"].update(name="paged_kv"), "contract.name"),
         (lambda m: m["contract"].update(version=2), "contract.version"),
         (lambda m: m["metadata"].pop("get_vocab_size"), "metadata.get_vocab_size: missing"),
-        (lambda m: m["metadata"].update(get_n_caches="2"), "metadata.get_n_caches: expected positive int"),
+        (lambda m: m["metadata"].update(get_n_caches="2"), "metadata.get_n_caches: expected int in 1..1024"),
         (lambda m: m["metadata"].update(get_kv_heads=[2]), "metadata.get_kv_heads: has 1 entries"),
         (lambda m: m["metadata"].update(get_vocab_size=1000), "logits"),
         (lambda m: m["metadata"].update(get_offgraph_kv_max_cells=24), "metadata.get_offgraph_kv_max_cells"),

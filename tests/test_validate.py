@@ -20,7 +20,7 @@ def run(*args):
 def test_a_good_package_passes(tiny_package):
     result = run("validate", str(tiny_package("tiny-llama")))
     assert result.exit_code == 0
-    assert result.stdout.strip().endswith("programs against their specs and step widths)")
+    assert result.stdout.strip().endswith("their specs, step widths and the weights they bind)")
     assert len(result.stdout.strip().splitlines()) == 1
     info = json.loads(run("validate", str(tiny_package("tiny-qwen2")), "--json").stdout)
     assert info["ok"] is True and info["violations"] == []

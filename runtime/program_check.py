@@ -1,0 +1,281 @@
+"""What a stored program may hold, checked before torch's deserializer sees it.
+
+A package is data. torch 2.13's program deserializer hands every symbolic
+size (`expr_str`, e.g. `Mul(Integer(16), Symbol('s27', positive=True,
+integer=True))`) to `sympy.sympify`, which evaluates Python, and resolves
+node targets by walking attributes of `torch`, `operator` and `math`. So a
+program is checked here first, and refused with its method and the
+offending text named, unless:
+- every node calls an operator of an allowed namespace (`torch.ops.aten`,
+  `torch.ops.prims`) that is not one of the few that touch files or raw
+  storage, or one of a fixed set of symbolic-integer helpers;
+- every symbolic expression parses, with Python's `ast` (never `eval`),
+  into the small grammar of integer arithmetic torch writes: `Symbol`,
+  `Integer`, `Add`, `Mul`, `Min`, `Max`, `FloorDiv`, `Mod`, ... .
+
+`parse_sym_expr` also builds the sympy expression itself from the parse, so
+loading never calls `sympify` on package text (see torch_compat).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import keyword
+import re
+from typing import Any, Callable, Iterator
+
+OP_NAMESPACES = ("aten", "prims")
+# aten operators that read or write files, print, or rebind raw storage:
+# a graph has no business calling them.
+DENIED_OPS = frozenset({"from_file", "save", "_print", "set_", "_set_item"})
+# The symbolic-integer helpers torch.export writes as plain targets.
+SYMBOLIC_TARGETS = frozenset(
+    {f"_operator.{name}" for name in ("getitem", "add", "sub", "mul", "floordiv", "mod", "neg", "truediv", "pow",
+                                      "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "not_")}
+    | {f"torch.{name}" for name in ("sym_int", "sym_float", "sym_max", "sym_min", "sym_not", "sym_sqrt", "sym_ite")}
+)
+_OP_TARGET = re.compile(r"torch\.ops\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
+SYMBOL_NAME = re.compile(r"[a-z]{1,8}[0-9]{1,9}")
+MAX_EXPR_CHARS = 4096  # torch writes a few hundred at most; bounds the parse
+_ASSUMPTIONS = ("positive", "integer", "nonnegative", "negative", "real", "finite")
+
+
+class UnsafeProgram(ValueError):
+    """A program holds something the package format does not allow."""
+
+
+def check_target(target: Any) -> str | None:
+    """None when the node target is allowed, else why not."""
+    if not isinstance(target, str):
+        return f"target is not a string: {target!r:.80}"
+    if target in SYMBOLIC_TARGETS:
+        return None
+    match = _OP_TARGET.fullmatch(target)
+    if match is None:
+        return f"target {target!r:.120} is not an operator (torch.ops.NAMESPACE.OP.OVERLOAD)"
+    namespace, op, _ = match.groups()
+    if namespace not in OP_NAMESPACES:
+        return f"target {target!r:.120}: operator namespace {namespace!r} is not allowed ({', '.join(OP_NAMESPACES)})"
+    if op in DENIED_OPS:
+        return f"target {target!r:.120}: {namespace}.{op} touches files or raw memory and is never allowed"
+    return None
+
+
+# ----------------------------------------------------------------- grammar
+def _functions() -> dict[str, Callable]:
+    """Name -> sympy constructor, for every function the grammar allows."""
+    import sympy
+    from torch.utils._sympy import functions as tf
+
+    return {
+        "Add": sympy.Add, "Mul": sympy.Mul, "Min": sympy.Min, "Max": sympy.Max,
+        "FloorDiv": tf.FloorDiv, "Mod": tf.Mod, "PythonMod": tf.PythonMod, "CeilDiv": tf.CeilDiv,
+        "CleanDiv": tf.CleanDiv, "PowByNatural": tf.PowByNatural, "ModularIndexing": tf.ModularIndexing,
+        "Equality": sympy.Eq, "Unequality": sympy.Ne, "StrictLessThan": sympy.Lt, "LessThan": sympy.Le,
+        "StrictGreaterThan": sympy.Gt, "GreaterThan": sympy.Ge, "And": sympy.And, "Or": sympy.Or, "Not": sympy.Not,
+    }
+
+
+_FUNCTIONS: dict[str, Callable] | None = None
+
+
+def parse_sym_expr(text: Any) -> Any:
+    """The sympy expression a stored `expr_str` denotes, built from its
+    `ast` parse; raises UnsafeProgram for anything outside the grammar."""
+    global _FUNCTIONS
+    if not isinstance(text, str):
+        raise UnsafeProgram(f"expression is not a string: {text!r:.80}")
+    if len(text) > MAX_EXPR_CHARS:
+        raise UnsafeProgram(f"expression of {len(text)} characters (at most {MAX_EXPR_CHARS})")
+    try:
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        raise UnsafeProgram(f"expression {text!r:.120} does not parse ({type(e).__name__})") from None
+    if _FUNCTIONS is None:
+        _FUNCTIONS = _functions()
+    try:
+        return _build(tree.body, text)
+    except RecursionError:
+        raise UnsafeProgram(f"expression {text[:120]!r} nests too deeply") from None
+
+
+def _build(node: ast.AST, text: str) -> Any:
+    import sympy
+
+    if isinstance(node, ast.Constant) and type(node.value) is bool:
+        return sympy.true if node.value else sympy.false
+    if isinstance(node, ast.Name) and node.id in ("true", "false"):  # sympy's srepr of booleans
+        return sympy.true if node.id == "true" else sympy.false
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)):
+        raise UnsafeProgram(f"expression {text!r:.120}: {ast.dump(node)[:80]} is not allowed")
+    name = node.func.id
+    if name == "Symbol":
+        return _symbol(node, text)
+    if name == "Integer":
+        if len(node.args) != 1 or node.keywords:
+            raise UnsafeProgram(f"expression {text!r:.120}: Integer takes one integer")
+        return sympy.Integer(_int_literal(node.args[0], text))
+    if name not in _FUNCTIONS or node.keywords or not node.args:
+        raise UnsafeProgram(f"expression {text!r:.120}: function {name!r} is not in the grammar")
+    return _FUNCTIONS[name](*(_build(arg, text) for arg in node.args))
+
+
+def _int_literal(node: ast.AST, text: str) -> int:
+    sign = 1
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        sign, node = -1, node.operand
+    if isinstance(node, ast.Constant) and type(node.value) is int and node.value < 1 << 63:
+        return sign * node.value
+    raise UnsafeProgram(f"expression {text!r:.120}: Integer needs an integer literal")
+
+
+def _symbol(node: ast.Call, text: str) -> Any:
+    import sympy
+
+    if len(node.args) != 1 or not isinstance(node.args[0], ast.Constant) or not isinstance(node.args[0].value, str):
+        raise UnsafeProgram(f"expression {text!r:.120}: Symbol takes one name")
+    name = node.args[0].value
+    if not SYMBOL_NAME.fullmatch(name):
+        raise UnsafeProgram(f"expression {text!r:.120}: symbol name {name!r:.40} is not like s27")
+    assumptions = {}
+    for keyword in node.keywords:
+        value = keyword.value
+        if keyword.arg not in _ASSUMPTIONS or not (isinstance(value, ast.Constant) and type(value.value) is bool):
+            raise UnsafeProgram(f"expression {text!r:.120}: Symbol assumption {keyword.arg!r} is not allowed")
+        assumptions[keyword.arg] = value.value
+    return sympy.Symbol(name, **assumptions)
+
+
+# ------------------------------------------------------------------- walk
+def _walk(program: Any) -> Iterator[tuple[str, Any]]:
+    """(key, value) of every dict entry in the JSON tree, iteratively (a
+    hostile file may nest deeper than Python's recursion limit)."""
+    stack = [program]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            for key, value in item.items():
+                yield key, value
+                if isinstance(value, (dict, list)):
+                    stack.append(value)
+        elif isinstance(item, list):
+            stack.extend(v for v in item if isinstance(v, (dict, list)))
+
+
+def _nodes(program: dict) -> Iterator[dict]:
+    """Every node of the program's graph and of any nested graph."""
+    for key, value in _walk(program):
+        if key == "nodes" and isinstance(value, list):
+            yield from (n for n in value if isinstance(n, dict))
+
+
+def check_program(method: str, program: Any) -> list[str]:
+    """Every violation of the allowlist (and of the little structure read
+    before the deserializer), each naming the method."""
+    where = f"methods.{method}.program"
+    if not isinstance(program, dict):
+        return [f"{where}: not a JSON object"]
+    graph = program.get("graph_module", {}).get("graph") if isinstance(program.get("graph_module"), dict) else None
+    if not isinstance(graph, dict) or not isinstance(graph.get("nodes"), list):
+        return [f"{where}: no graph_module.graph.nodes"]
+    # what the loader reads itself before torch's deserializer sees the program
+    problems = [f"{where}: graph_module.graph.nodes[{i}] is not an object" for i, n in enumerate(graph["nodes"]) if not isinstance(n, dict)]
+    calls = program["graph_module"].get("module_call_graph")
+    if isinstance(calls, list) and calls and not (isinstance(calls[0], dict) and calls[0].get("fqn") == ""):
+        problems.append(f"{where}: graph_module.module_call_graph[0] must be the root module's (fqn ''), found {calls[0]!r:.80}")
+    problems += [f"{where}: {why}" for why in _signature_problems(calls)]
+    for node in _nodes(program):
+        if "target" not in node:
+            problems.append(f"{where}: a node has no target")
+        elif (why := check_target(node["target"])) is not None:
+            problems.append(f"{where}: {why}")
+    for key, value in _walk(program):
+        if key == "expr_str":
+            try:
+                parse_sym_expr(value)
+            except UnsafeProgram as e:
+                problems.append(f"{where}: {e}")
+    return problems[:20] + ([f"{where}: ... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+
+
+# ------------------------------------------------------- call signatures
+# torch 2.13 rebuilds each module's calling convention from its signature:
+# the argument names go verbatim into the Python source of the rebuilt
+# forward, a dict's keys into a dict literal there, and a spec's context is
+# JSON-decoded with a hook that imports whatever module an `__enum__` object
+# names. So: plain identifiers only, and only the containers torch.export
+# writes for a method of positional tensors.
+SPEC_CONTAINERS = ("builtins.tuple", "builtins.list", "builtins.dict")
+MAX_SPEC_CHARS = 1 << 20
+
+
+def _identifier(name: Any) -> bool:
+    return isinstance(name, str) and name.isascii() and name.isidentifier() and not keyword.iskeyword(name)
+
+
+def _signature_problems(calls: Any) -> list[str]:
+    problems = []
+    for i, call in enumerate(calls if isinstance(calls, list) else ()):
+        signature = call.get("signature") if isinstance(call, dict) else None
+        if signature is None:
+            continue
+        where = f"graph_module.module_call_graph[{i}].signature"
+        if not isinstance(signature, dict):
+            problems.append(f"{where}: not an object")
+            continue
+        names = signature.get("forward_arg_names")
+        if names is not None and not (isinstance(names, list) and all(map(_identifier, names))):
+            problems.append(f"{where}.forward_arg_names: expected plain identifiers, found {names!r:.120}")
+        for key in ("in_spec", "out_spec"):
+            if (why := treespec_problem(signature.get(key))) is not None:
+                problems.append(f"{where}.{key}: {why}")
+    return problems
+
+
+def treespec_problem(text: Any) -> str | None:
+    """Why a serialized pytree spec is not one a package may hold, or None."""
+    if not isinstance(text, str) or len(text) > MAX_SPEC_CHARS:
+        return f"expected a tree spec string, found {text!r:.80}"
+    try:
+        spec = json.loads(text)
+    except (ValueError, RecursionError):
+        return "not JSON"
+    if not (isinstance(spec, list) and len(spec) == 2 and spec[0] == 1):
+        return "not a protocol 1 tree spec"
+    stack = [spec[1]]
+    while stack:
+        node = stack.pop()
+        if not (isinstance(node, dict) and isinstance(node.get("children_spec"), list)):
+            return "a node is not {type, context, children_spec}"
+        kind, context = node.get("type"), node.get("context")
+        if kind is None:
+            if context is not None or node["children_spec"]:
+                return "a leaf has a context or children"
+        elif kind in ("builtins.tuple", "builtins.list"):
+            if context != "null":
+                return f"a {kind} has a context: {context!r:.80}"
+        elif kind == "builtins.dict":
+            keys = _json(context)
+            if not (isinstance(keys, list) and all(map(_identifier, keys))):
+                return f"a dict's keys {context!r:.80} are not plain identifiers"
+        else:
+            return f"container type {kind!r:.80} is not allowed ({', '.join(SPEC_CONTAINERS)})"
+        stack.extend(node["children_spec"])
+    return None
+
+
+def _json(text: Any) -> Any:
+    try:
+        return json.loads(text) if isinstance(text, str) else None
+    except (ValueError, RecursionError):
+        return None
+
+
+def symbol_of(size: Any) -> Any:
+    """A stored dim as validate compares it: an int, a symbol's name
+    (`s27`, as range_constraints keys it), or an expression's string."""
+    if isinstance(size, int):
+        return size
+    expr = parse_sym_expr(size)
+    return expr.name if getattr(expr, "is_Symbol", False) else str(expr)
