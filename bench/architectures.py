@@ -23,7 +23,7 @@ from kvexport.exporter.architectures import ARCHITECTURES
 from kvexport.exporter.models import load_model
 from kvexport.exporter.pipeline import export_package
 from kvexport.exporter.spec import build_spec
-from kvexport.exporter.verify import verify
+from kvexport.runtime.verify import verify
 from kvexport.runtime import load
 
 

@@ -15,7 +15,7 @@ check() {  # model package
 python - "$1" "$2" <<'PY'
 import json, sys, time, torch
 from kvexport.exporter.models import load_model
-from kvexport.exporter.verify import verify
+from kvexport.runtime.verify import verify
 from kvexport.runtime import generate, load
 model, package = sys.argv[1], sys.argv[2]
 hf = load_model(model).model.to("cuda")

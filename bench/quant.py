@@ -24,7 +24,7 @@ import torch
 from common import emit, weight_read_gbps
 from decode import decode_seconds
 from kvexport.exporter.models import load_model
-from kvexport.exporter.verify import method_logits
+from kvexport.runtime.verify import method_logits
 from kvexport.runtime import generate, load
 
 TEXT = (

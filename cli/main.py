@@ -11,7 +11,9 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
-from kvexport.runtime.errors import KvexportError
+from kvexport.contract.errors import KvexportError
+from kvexport.contract.manifest import CONTRACTS, DEVICES, DTYPES
+from kvexport.exporter.backends import backend_ids, get_backend
 
 log = logging.getLogger("kvexport")
 
@@ -62,18 +64,18 @@ def _progress(message: str) -> None:
 @click.argument("model", required=False)
 @click.option("-o", "--output", type=click.Path(path_type=str), help="Package directory to write.")
 @click.option("--use-offgraph-kv-cache", is_flag=True, help="Export the offgraph_kv batching contract.")
-@click.option("--contract", type=click.Choice(["offgraph_kv", "ingraph_kv", "hf_static"]), help="Without the flag: ingraph_kv (the default) or hf_static.")
+@click.option("--contract", type=click.Choice(list(CONTRACTS)), help="Without the flag: ingraph_kv (the default) or hf_static.")
 @click.option("--forward-sizes", help="Static forward widths, e.g. 1,2,4,8,16,32,64 (the default).")
 @click.option("--max-step-tokens", type=int, help="Widest step forward_others takes (default 4096).")
 @click.option("--max-cells", type=int, help="Cell pool size get_offgraph_kv_max_cells (default 65536).")
 @click.option("--max-context-len", type=int, help="Lower the model's context (default: the model's own).")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), help="Weights and cache dtype (default fp32).")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), help="Weights and cache dtype (default fp32).")
 @click.option("--qlinear", help="Quantize linears with torchao: 8w, 4w or 8da4w.")
 @click.option("--qlinear-group-size", type=int, help="Group size (a power of two; default 32 for 4-bit, per channel for 8w).")
 @click.option("--qembedding", help="Quantize embeddings: 8w.")
 @click.option("--min-prefill-chunk", type=int, help="Fewest selected rows forward_others takes (get_min_prefill_chunk, default 1).")
-@click.option("--backend", type=click.Choice(["portable", "aoti"]), help="portable (PyTorch kernels, the default) or aoti (AOTInductor-compiled methods).")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), help="aoti: the device to compile for (default cpu).")
+@click.option("--backend", type=click.Choice(backend_ids()), help="; ".join(f"{b.id}: {b.description}" for b in map(get_backend, backend_ids())) + " (default portable).")
+@click.option("--device", type=click.Choice(list(DEVICES)), help="aoti: the device to compile for (default cpu).")
 @click.option("--compile-workers", type=int, help="aoti: parallel compile processes (default: one per core).")
 @click.option("--config", "recipe", help="A recipe: configs/NAME.toml, a path, or a shipped recipe's name.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe key (repeatable).")
@@ -137,7 +139,7 @@ def _mb(n: int) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def inspect(package: Path, as_json: bool) -> None:
     """Show a package's methods, metadata, sizes and provenance."""
-    from kvexport.runtime.inspect import describe, render
+    from kvexport.contract.inspect import describe, render
 
     info = describe(package)
     click.echo(json.dumps(info, indent=1, sort_keys=True) if as_json else render(info))
@@ -151,7 +153,7 @@ def inspect(package: Path, as_json: bool) -> None:
 def validate(ctx: click.Context, package: Path, as_json: bool) -> None:
     """Check PACKAGE against its contract without running it: exit 0 when it
     holds, 1 with every violation listed when it does not."""
-    from kvexport.runtime.validate import render, validate_package
+    from kvexport.contract.validate import render, validate_package
 
     report = validate_package(package)
     if as_json:
@@ -168,7 +170,7 @@ def validate(ctx: click.Context, package: Path, as_json: bool) -> None:
 def trust(package: Path, remove: bool) -> None:
     """Trust PACKAGE's native code (an aoti package exported elsewhere): once
     its files match its manifest, record its manifest digest in the trust store."""
-    from kvexport.runtime import trust as store
+    from kvexport.contract import trust as store
 
     if remove:
         digest, removed = store.untrust_package(package)
@@ -182,7 +184,7 @@ def trust(package: Path, remove: bool) -> None:
 @click.argument("package", type=click.Path(path_type=Path))
 def digest(package: Path) -> None:
     """Print PACKAGE's manifest digest, the value --expect-digest pins."""
-    from kvexport.runtime.trust import package_digest
+    from kvexport.contract.trust import package_digest
 
     click.echo(package_digest(package))
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from kvexport.runtime.errors import ExportError
+from kvexport.contract.errors import ExportError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def compile_one(job: CompileJob) -> tuple[str, float]:
     import torch._inductor.inductor_prims  # noqa: F401  (ops the fused products use; see passes/quantized_weights.py)
     from safetensors.torch import load_file
 
-    from kvexport.runtime import torch_compat
+    from kvexport.contract import torch_compat
 
     start = time.perf_counter()
     tensors = load_file(job.weights, device=job.device)

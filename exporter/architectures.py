@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvexport.runtime.errors import ModelError
+from kvexport.contract.errors import ModelError
 
 # what the *ForCausalLM forward does to the LM head's output
 LOGITS_PLAIN = "plain"

@@ -18,8 +18,8 @@ from typing import Any, Callable
 import torch
 
 from kvexport.exporter.architectures import ARCHITECTURES, resolve, tiny_config
-from kvexport.runtime.errors import ModelError
-from kvexport.runtime.package import sha256_file
+from kvexport.contract.errors import ModelError
+from kvexport.contract.package import sha256_file
 
 log = logging.getLogger(__name__)
 

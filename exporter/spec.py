@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from kvexport.exporter.backends import get_backend
 from kvexport.exporter.quantize import QEMBEDDING, QLINEAR
-from kvexport.runtime.errors import SpecError
-from kvexport.runtime.manifest import CONTRACTS, DTYPES, INGRAPH_KV, OFFGRAPH_KV
+from kvexport.contract.errors import SpecError
+from kvexport.contract.manifest import CONTRACTS, DEVICES, DTYPES, INGRAPH_KV, OFFGRAPH_KV
 
 DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
-BACKENDS = ("portable", "aoti")
 
 
 @dataclass
@@ -96,12 +96,14 @@ class ExportSpec:
         chunk = self.min_prefill_chunk
         if not _is_int(chunk) or not 1 <= chunk <= self.max_step_tokens:
             raise SpecError(f"--min-prefill-chunk must be in 1..--max-step-tokens ({self.max_step_tokens}), got {chunk!r}")
-        if self.backend not in BACKENDS:
-            raise SpecError(f"--backend {self.backend!r} is not available; known backends: {', '.join(BACKENDS)}")
-        if self.device not in ("cpu", "cuda"):
-            raise SpecError(f"--device must be cpu or cuda, got {self.device!r}")
-        if self.device == "cuda" and self.backend != "aoti":
-            raise SpecError("--device cuda needs --backend aoti (the portable backend runs on the CPU)")
+        backend = get_backend(self.backend)
+        if self.device not in DEVICES:
+            raise SpecError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.device not in backend.devices:
+            raise SpecError(
+                f"--device {self.device} is not one --backend {self.backend} compiles for ({', '.join(backend.devices)}); "
+                f"use --backend aoti for cuda"
+            )
         if not _is_int(self.compile_workers) or self.compile_workers < 0:
             raise SpecError(f"--compile-workers must be >= 0 (0: one per core), got {self.compile_workers!r}")
         return self

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch.fx
 
-from kvexport.runtime.errors import ExportError
+from kvexport.contract.errors import ExportError
 
 
 class PassError(ExportError):

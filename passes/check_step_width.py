@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch.fx
 
 from kvexport.passes.base import Pass
-from kvexport.runtime.step_width import check_step_width, view_of_graph_module
+from kvexport.contract.step_width import check_step_width, view_of_graph_module
 
 STEP_WIDTH_META = "kvexport.step_width"
 USER_INPUTS_META = "kvexport.user_inputs"

@@ -7,13 +7,13 @@
 """
 
 from kvexport.runtime import offgraph as _offgraph  # noqa: F401  (registers offgraph_kv v1)
-from kvexport.runtime import single as _single  # noqa: F401  (registers ingraph_kv v1 and hf_static v1)
-from kvexport.runtime.errors import KvexportError, PackageError, RuntimeRefusal
+from kvexport.runtime import single_sequence as _single_sequence  # noqa: F401  (registers ingraph_kv v1 and hf_static v1)
+from kvexport.contract.errors import KvexportError, PackageError, RuntimeRefusal
 from kvexport.runtime.generate import generate
 from kvexport.runtime.loader import IOManager, LoadedPackage, load, register_io_manager, registered_contracts
 from kvexport.runtime.offgraph import OffgraphKVManager, Session, StepEntry
-from kvexport.runtime.sampler import SamplingConfig, sample, sample_argmax
-from kvexport.runtime.single import HFStaticManager, IngraphKVManager, SingleSequenceManager
+from kvexport.contract.sampler import SamplingConfig, sample, sample_argmax
+from kvexport.runtime.single_sequence import HFStaticManager, IngraphKVManager, SingleSequenceManager
 
 __all__ = [
     "IOManager",

@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from kvexport.runtime.errors import CapacityError, RuntimeRefusal
-from kvexport.runtime.manifest import CacheGeometry
+from kvexport.contract.errors import CapacityError, RuntimeRefusal
+from kvexport.contract.manifest import CacheGeometry
 
 MAX_SEQUENCES = 64
 SCRATCH_CELL = 0

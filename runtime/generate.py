@@ -8,10 +8,10 @@ from typing import Callable, Sequence
 import torch
 
 from kvexport.runtime.cell_cache import MAX_SEQUENCES
-from kvexport.runtime.errors import CapacityError, KvexportError
+from kvexport.contract.errors import CapacityError, KvexportError
 from kvexport.runtime.offgraph import OffgraphKVManager, StepEntry, check_token_ids
-from kvexport.runtime.sampler import SamplingConfig, params_row
-from kvexport.runtime.single import SingleSequenceManager
+from kvexport.contract.sampler import SamplingConfig, params_row
+from kvexport.runtime.single_sequence import SingleSequenceManager
 
 TokenCallback = Callable[[int, int], None]  # (prompt index, token id)
 

@@ -6,7 +6,8 @@ Third parties add a contract by registering an IOManager subclass:
     @register_io_manager("my_contract", 1)
     class MyManager(IOManager):
         @staticmethod
-        def check_manifest(manifest): ...   # -> list of violations
+        def check_manifest(manifest): ...   # -> list of violations (registered
+                                            # with kvexport.contract's registry)
         def __init__(self, package, **options): ...
 """
 
@@ -21,10 +22,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from kvexport.runtime import manifest as mf
-from kvexport.runtime import torch_compat, trust
-from kvexport.runtime.errors import PackageError
-from kvexport.runtime.package import PackageReader
+from kvexport.contract import manifest as mf
+from kvexport.contract import torch_compat, trust
+from kvexport.contract.errors import PackageError
+from kvexport.contract.package import PackageReader
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,8 @@ class IOManager:
 
     @staticmethod
     def check_manifest(manifest: dict) -> list[str]:
-        raise NotImplementedError
+        """The contract's check, from the contract registry."""
+        return mf.check_manifest(manifest)
 
     def __init__(self, package: "LoadedPackage", **options: Any):
         self.package = package
@@ -51,6 +53,8 @@ def register_io_manager(name: str, version: int) -> Callable[[type[IOManager]], 
         if key in _REGISTRY and _REGISTRY[key] is not cls:
             raise ValueError(f"an I/O manager for {name} v{version} is already registered: {_REGISTRY[key].__name__}")
         cls.contract = key
+        if "check_manifest" in cls.__dict__:  # a third party's contract brings its own check
+            mf.register_contract(name, version, cls.check_manifest)
         _REGISTRY[key] = cls
         return cls
 
@@ -62,15 +66,11 @@ def registered_contracts() -> list[tuple[str, int]]:
 
 
 def select_io_manager(manifest: dict) -> type[IOManager]:
-    mf.require(mf.check_envelope(manifest), "not a valid kvexport package")
-    name, version = manifest["contract"]["name"], manifest["contract"]["version"]
-    known_names = sorted({n for n, _ in _REGISTRY})
-    if name not in known_names:
-        raise PackageError(f"contract.name: unknown contract {name!r}; this runtime knows {', '.join(known_names)}")
-    if (name, version) not in _REGISTRY:
-        versions = sorted(v for n, v in _REGISTRY if n == name)
-        raise PackageError(f"contract.version: {name} version {version} is not supported (supported: {versions})")
-    return _REGISTRY[(name, version)]
+    mf.contract_check(manifest)  # refuses an unknown contract or version, naming the known ones
+    key = (manifest["contract"]["name"], manifest["contract"]["version"])
+    if key not in _REGISTRY:
+        raise PackageError(f"contract: this runtime has no I/O manager for {key[0]} v{key[1]}")
+    return _REGISTRY[key]
 
 
 class LoadedPackage:
@@ -81,7 +81,7 @@ class LoadedPackage:
         self.manifest = reader.manifest
         self.backend = self.manifest.get("backend", {"id": "portable"})
         self.device = "cpu"
-        if self.backend["id"] == "aoti":
+        if self.backend["id"] == mf.COMPILED_BACKEND:
             target = self.backend["target"]
             check_target(target)
             # before any byte of it is read: native code runs with the user's permissions
@@ -153,7 +153,7 @@ class LoadedPackage:
         """An AOTInductor method with the package's tensors bound as
         user-managed constants (no copy), before it can ever be called:
         calling one with unbound constants crashes the process."""
-        if self.backend["id"] != "aoti":
+        if self.backend["id"] != mf.COMPILED_BACKEND:
             # only the aoti branch of __init__ makes the trust decision
             raise PackageError(f"methods.{name}.compiled: only an aoti package may hold compiled code (backend is {self.backend['id']!r})")
         entry = self.manifest["methods"][name]
@@ -267,6 +267,6 @@ def load(
     reader = PackageReader(path)
     trust.check_expected_digest(reader, expect_digest)
     manager_cls = select_io_manager(reader.manifest)
-    mf.require(manager_cls.check_manifest(reader.manifest), f"{reader.path}: the package breaks its contract")
+    mf.require(mf.check_manifest(reader.manifest), f"{reader.path}: the package breaks its contract")
     trusted = trust_native_code or expect_digest is not None  # a pin that matched vouches for the code
     return manager_cls(LoadedPackage(reader, verify=verify, trust_native_code=trusted), **options)

@@ -12,11 +12,11 @@ from typing import Any, Sequence
 
 import torch
 
-from kvexport.runtime import manifest as mf
+from kvexport.contract import manifest as mf
 from kvexport.runtime.cell_cache import SCRATCH_CELL, Allocator, CellCache, io_buffer, sequence_bit, zeros_allocator
-from kvexport.runtime.errors import PackageError, RuntimeRefusal
+from kvexport.contract.errors import PackageError, RuntimeRefusal
 from kvexport.runtime.loader import IOManager, LoadedPackage, register_io_manager
-from kvexport.runtime.sampler import sample, sample_argmax
+from kvexport.contract.sampler import sample, sample_argmax
 
 PAD_TOKEN = 0
 
@@ -56,7 +56,6 @@ class _Slice:
 
 @register_io_manager(mf.OFFGRAPH_KV, mf.OFFGRAPH_KV_VERSION)
 class OffgraphKVManager(IOManager):
-    check_manifest = staticmethod(mf.check_offgraph_manifest)
 
     def __init__(
         self,

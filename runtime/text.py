@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from kvexport.runtime.errors import KvexportError
+from kvexport.contract.errors import KvexportError
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import torch
 
 from kvexport.exporter.pipeline import export_package
 from kvexport.exporter.spec import build_spec
-from kvexport.exporter.verify import hf_greedy  # noqa: F401  (re-exported for the tests)
+from kvexport.runtime.verify import hf_greedy  # noqa: F401  (re-exported for the tests)
 
 TINY = ("tiny-llama", "tiny-qwen2")
 # small enough to export fast, wide enough that a prompt crosses every method

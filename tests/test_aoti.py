@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from helpers import prompt_of
 from kvexport.cli.main import main
 from kvexport.runtime import PackageError, generate, load
-from kvexport.runtime.validate import validate_package
+from kvexport.contract.validate import validate_package
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from helpers import export_tiny, hf_greedy, prompt_of
 from kvexport.cli.main import main
 from kvexport.exporter.architectures import ARCHITECTURES
 from kvexport.exporter.models import load_model
-from kvexport.exporter.verify import verify
+from kvexport.runtime.verify import verify
 from kvexport.runtime import generate, load
-from kvexport.runtime.errors import CapacityError, ModelError
+from kvexport.contract.errors import CapacityError, ModelError
 
 FAMILIES = sorted(ARCHITECTURES)
 WINDOWS = {

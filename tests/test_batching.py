@@ -7,7 +7,7 @@ import torch
 
 from helpers import TINY, prompt_of
 from kvexport.runtime import RuntimeRefusal, StepEntry, generate
-from kvexport.runtime.errors import CapacityError
+from kvexport.contract.errors import CapacityError
 
 
 def greedy_loop(runtime, sessions_and_tokens, steps: int) -> list[list[int]]:

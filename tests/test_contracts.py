@@ -15,8 +15,8 @@ from helpers import export_tiny, hf_greedy, prompt_of
 from kvexport.cli.main import main
 from kvexport.exporter.models import load_model
 from kvexport.runtime import IOManager, PackageError, generate, load, register_io_manager
-from kvexport.runtime.errors import CapacityError, SpecError
-from kvexport.runtime.validate import validate_package
+from kvexport.contract.errors import CapacityError, SpecError
+from kvexport.contract.validate import validate_package
 
 SINGLE = ("ingraph_kv", "hf_static")
 

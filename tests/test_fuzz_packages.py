@@ -37,11 +37,11 @@ import pytest
 
 from helpers import export_tiny
 from kvexport.runtime import generate, load
-from kvexport.runtime.errors import KvexportError
-from kvexport.runtime.inspect import describe, render as render_info
-from kvexport.runtime.package import confined_problem, sha256_file
-from kvexport.runtime.sampler import SamplingConfig
-from kvexport.runtime.validate import Report, render as render_report, validate_package
+from kvexport.contract.errors import KvexportError
+from kvexport.contract.inspect import describe, render as render_info
+from kvexport.contract.package import confined_problem, sha256_file
+from kvexport.contract.sampler import SamplingConfig
+from kvexport.contract.validate import Report, render as render_report, validate_package
 
 log = logging.getLogger(__name__)
 

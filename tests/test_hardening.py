@@ -22,11 +22,11 @@ from kvexport.exporter import pipeline
 from kvexport.exporter.models import load_model
 from kvexport.exporter.spec import build_spec, parse_override
 from kvexport.runtime import load
-from kvexport.runtime import package as pk
-from kvexport.runtime.errors import ExportError, ModelError, RuntimeRefusal, SpecError
+from kvexport.contract import package as pk
+from kvexport.contract.errors import ExportError, ModelError, RuntimeRefusal, SpecError
 from kvexport.runtime.offgraph import StepEntry, check_token_ids
-from kvexport.runtime.package import PackageWriter, check_output, remove_stale
-from kvexport.runtime.single import IngraphKVManager
+from kvexport.contract.package import PackageWriter, check_output, remove_stale
+from kvexport.runtime.single_sequence import IngraphKVManager
 
 SMALL = ["--use-offgraph-kv-cache", "--forward-sizes", "1,2", "--max-step-tokens", "8", "--max-cells", "64"]
 MANIFEST = {"format": "kvexport.package"}
@@ -111,7 +111,7 @@ def test_stale_partials_of_dead_writers_are_removed(tmp_path, caplog):
         fake_leftover(tmp_path, f".pkg.partial-{dead}-fresh000", 5),  # too young to judge
         fake_leftover(tmp_path, f".other.partial-{dead}-abcd1234", 600),  # another target's
     ]
-    with caplog.at_level(logging.INFO, logger="kvexport.runtime.package"):
+    with caplog.at_level(logging.INFO, logger="kvexport.contract.package"):
         with writer_with(tmp_path / "pkg", "w") as writer:
             writer.commit(MANIFEST)
     assert not any(p.exists() for p in stale)

@@ -13,7 +13,7 @@ from helpers import export_tiny, hf_greedy
 from kvexport.cli.main import main
 from kvexport.exporter.models import load_model
 from kvexport.runtime import generate, load
-from kvexport.runtime.errors import ModelError
+from kvexport.contract.errors import ModelError
 
 WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "the", "moon", "is", "red", "user", ":"]
 

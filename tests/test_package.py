@@ -13,8 +13,8 @@ import torch
 from helpers import export_tiny, prompt_of
 from kvexport.exporter import pipeline
 from kvexport.runtime import PackageError, generate, load
-from kvexport.runtime.errors import ExportError
-from kvexport.runtime.package import sha256_file
+from kvexport.contract.errors import ExportError
+from kvexport.contract.package import sha256_file
 
 METADATA_KEYS = {
     "get_max_context_len", "get_max_seq_len", "get_vocab_size", "get_logits_to_keep_mode", "get_n_caches",

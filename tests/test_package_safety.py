@@ -16,10 +16,10 @@ from safetensors.torch import load_file, save_file
 from helpers import prompt_of
 from kvexport.cli.main import main
 from kvexport.runtime import generate, load
-from kvexport.runtime.errors import PackageError
-from kvexport.runtime.package import sha256_file
-from kvexport.runtime.program_check import UnsafeProgram, check_target, parse_sym_expr
-from kvexport.runtime.validate import validate_package
+from kvexport.contract.errors import PackageError
+from kvexport.contract.package import sha256_file
+from kvexport.contract.program_check import UnsafeProgram, check_target, parse_sym_expr
+from kvexport.contract.validate import validate_package
 
 CANARY = "kvexport-canary"
 
@@ -291,7 +291,7 @@ def test_pools_are_zeroed_whatever_the_allocator_returns(tiny_package):
 
 
 def test_a_wrong_allocator_is_named(tiny_package):
-    from kvexport.runtime.errors import RuntimeRefusal
+    from kvexport.contract.errors import RuntimeRefusal
 
     with pytest.raises(RuntimeRefusal, match="the allocator returned"):
         load(tiny_package("tiny-llama"), allocator=lambda shape, dtype, device: torch.zeros(1))

@@ -8,7 +8,7 @@ import torch
 
 from helpers import TINY, hf_greedy, prompt_of
 from kvexport.runtime import generate
-from kvexport.exporter.verify import hf_logits, method_logits
+from kvexport.runtime.verify import hf_logits, method_logits
 
 
 @pytest.mark.parametrize("model", TINY)

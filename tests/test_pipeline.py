@@ -10,7 +10,7 @@ import torch
 import torch.fx
 from safetensors.torch import load_file
 
-from helpers import TINY_LAYOUT, hf_greedy, prompt_of
+from helpers import TINY_LAYOUT, export_tiny, hf_greedy, prompt_of
 from kvexport.exporter.models import load_model
 from kvexport.exporter.pipeline import export_package, reserve_constant_names
 from kvexport.exporter.spec import build_spec
@@ -19,8 +19,8 @@ from kvexport.partitioners.portable import PortablePartitioner
 from kvexport.passes.base import Pass, PassError, run_passes
 from kvexport.passes.reserve_constant_names import ConstantNames
 from kvexport.runtime import generate, load
-from kvexport.runtime.errors import ExportError
-from kvexport.runtime.step_width import StepWidthError
+from kvexport.contract.errors import ExportError
+from kvexport.contract.step_width import StepWidthError
 
 
 def spec_for(tmp_path, name="pkg", **overrides):
@@ -157,7 +157,7 @@ def test_reordering_backend_with_wrong_declaration(tmp_path, declare, message):
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
     """The lowered tiny-llama programs (forward_4 static, forward_others dynamic) as graph views."""
-    from kvexport.runtime.step_width import view_of_graph_module
+    from kvexport.contract.step_width import view_of_graph_module
 
     views = {}
 
@@ -184,7 +184,7 @@ def traced(tmp_path_factory):
     ],
 )
 def test_step_width_check(traced, method, spec, message):
-    from kvexport.runtime.step_width import check_step_width
+    from kvexport.contract.step_width import check_step_width
 
     if message is None:
         check_step_width(spec, traced[method])
@@ -276,3 +276,43 @@ def test_a_name_bound_twice_fails_loudly():
     names.reserve("w", torch.ones(2))  # the same value again is fine
     with pytest.raises(PassError, match="'w' is bound to two different tensors"):
         names.reserve("w", torch.zeros(2))
+
+
+# ----------------------------------------------------------------- backends
+def test_a_backend_registers_from_outside_the_project(tmp_path, tiny_package):
+    """A backend is one registered object: this one takes the portable
+    partitioner, compiles nothing, and marks the manifest; export and load
+    work with no file of the project edited."""
+    from kvexport.exporter.backends import Backend, _BACKENDS, register_backend
+    from kvexport.partitioners.portable import PortablePartitioner
+    from kvexport.runtime import generate, load
+
+    compiled = []
+
+    def compile_nothing(ctx):
+        compiled.append(sorted(ctx.methods))
+        return {}
+
+    toy = Backend("toy", "a test backend", lambda spec: [PortablePartitioner()], compile_nothing, lambda spec: {"marker": 42})
+    register_backend(toy)
+    try:
+        result = export_tiny("tiny-llama", tmp_path / "pkg", backend="toy")
+    finally:
+        del _BACKENDS["toy"]
+    manifest = json.loads((result.path / "manifest.json").read_text())
+    assert manifest["backend"] == {"id": "toy", "marker": 42}
+    assert compiled == [sorted(manifest["methods"])]
+    prompt = prompt_of(11, 2)
+    assert generate(load(result.path), [prompt], 5) == generate(load(tiny_package("tiny-llama")), [prompt], 5)
+
+
+def test_steps_are_one_list():
+    from kvexport.exporter import pipeline
+
+    names = [step.title for step in pipeline.STEPS]
+    assert names[:5] == ["load", "quantize", "build forward", "plan", "trace"] and names[-1] == "commit"
+    assert [s.dump for s in pipeline.STEPS if s.dump] == [
+        "trace", "transform", "backend_passes", "partition_lower", "reserve_constant_names"
+    ]
+    for name in ("load", "quantize", "plan", "trace", "compile", "commit"):
+        assert name in pipeline.__doc__

@@ -20,8 +20,8 @@ from kvexport.cli.main import main
 from kvexport.exporter.models import load_model
 from kvexport.exporter.quantize import quantize_model
 from kvexport.runtime import generate, load
-from kvexport.runtime.errors import SpecError
-from kvexport.runtime.validate import validate_package
+from kvexport.contract.errors import SpecError
+from kvexport.contract.validate import validate_package
 
 SCHEMES = ("8w", "4w", "8da4w")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvexport.runtime import SamplingConfig, generate, sample, sample_argmax
-from kvexport.runtime.sampler import params_row
+from kvexport.contract.sampler import params_row
 from helpers import prompt_of
 
 CASES = [

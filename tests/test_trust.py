@@ -15,9 +15,9 @@ from click.testing import CliRunner
 
 from kvexport.cli.main import main
 from kvexport.runtime import PackageError, generate, load
-from kvexport.runtime.package import dump_manifest, sha256_file
-from kvexport.runtime.trust import manifest_digest, package_digest, store_path, trust_dir
-from kvexport.runtime.validate import validate_package
+from kvexport.contract.package import dump_manifest, sha256_file
+from kvexport.contract.trust import manifest_digest, package_digest, store_path, trust_dir
+from kvexport.contract.validate import validate_package
 
 REFUSED = "holds native code compiled by someone else"
 

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvexport.cli.main import main
-from kvexport.runtime.package import sha256_file
-from kvexport.runtime.validate import validate_package
+from kvexport.contract.package import sha256_file
+from kvexport.contract.validate import validate_package
 
 
 def run(*args):

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 import torch
 
+from kvexport.contract.offgraph_kv import ForwardInputs
 from kvexport.runtime import OffgraphKVManager, StepEntry, generate
 from kvexport.runtime.cell_cache import sequence_bit
 
@@ -25,9 +26,10 @@ def method_logits(runtime: OffgraphKVManager, method: str, prefix: Sequence[int]
         n_cells = cache.read_len()
         masks = cache.masks(torch.full((len(tokens),), sequence_bit(session.seq)), positions, n_cells)
         with torch.inference_mode():
-            return runtime.package.method(method)(
-                torch.tensor([list(tokens)]), positions, torch.arange(len(tokens)), *cache.views(n_cells), cells, *masks
+            inputs = ForwardInputs(
+                torch.tensor([list(tokens)]), positions, torch.arange(len(tokens)), cache.views(n_cells), cells, masks
             )
+            return runtime.package.method(method)(*inputs.pack())
     finally:
         runtime.release(session)
 

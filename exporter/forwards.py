@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from kvexport.exporter.architectures import resolve
-from kvexport.runtime.errors import ExportError, ModelError
-from kvexport.runtime.manifest import CacheGeometry
-from kvexport.runtime.sampler import sample, sample_argmax
+from kvexport.contract.errors import ExportError, ModelError
+from kvexport.contract.manifest import CacheGeometry
+from kvexport.contract.offgraph_kv import ForwardInputs
+from kvexport.contract.sampler import sample, sample_argmax
 
 ATTENTION_NAME = "kvexport_offgraph"
 _STATE_KEY = "kvexport_state"
@@ -181,14 +182,14 @@ class OffgraphForward(ContractForward):
     cells [T], *masks) -> logits float32 [K, V]"""
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, logits_to_keep: torch.Tensor, *state: torch.Tensor):
-        n_pools = 2 * self.geometry.n_layers
+        inputs = ForwardInputs.unpack((tokens, input_pos, logits_to_keep, *state), self.geometry)
         step = StepState(
-            pools=state[:n_pools],
-            cells=state[n_pools],
-            masks=dict(zip(self.geometry.distinct_windows, state[n_pools + 1 :])),
+            pools=inputs.pools,
+            cells=inputs.cells,
+            masks=dict(zip(self.geometry.distinct_windows, inputs.masks)),
             windows=self.geometry.windows,
         )
-        return self._rows_logits(tokens, input_pos, step, lambda h: h.index_select(0, logits_to_keep))
+        return self._rows_logits(tokens, input_pos, step, lambda h: h.index_select(0, inputs.logits_to_keep))
 
 
 CACHE_BUFFER = "kv_cache"  # ingraph_kv: buffer names kv_cache.<layer>.<k|v>

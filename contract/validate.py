@@ -9,12 +9,12 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvexport.runtime.errors import PackageError
-from kvexport.runtime.loader import select_io_manager
-from kvexport.runtime.package import PackageReader
-from kvexport.runtime.torch_compat import parse_program_json
-from kvexport.runtime.program_check import check_program
-from kvexport.runtime.step_width import GraphView, StepWidthError, check_step_width, view_of_serialized
+from kvexport.contract.errors import PackageError
+from kvexport.contract import manifest as mf
+from kvexport.contract.package import PackageReader
+from kvexport.contract.torch_compat import parse_program_json
+from kvexport.contract.program_check import check_program
+from kvexport.contract.step_width import GraphView, StepWidthError, check_step_width, view_of_serialized
 
 
 @dataclass
@@ -39,13 +39,13 @@ def validate_package(path: str | Path) -> Report:
     report = Report(str(path))
     try:
         reader = PackageReader(path)
-        manager = select_io_manager(reader.manifest)
+        check = mf.contract_check(reader.manifest)
     except PackageError as e:
         report.violations.append(str(e))
         return report
     manifest = reader.manifest
     contract = manifest["contract"]
-    contract_problems = manager.check_manifest(manifest)
+    contract_problems = check(manifest)
     report.violations += contract_problems
     report.checked.append(f"{contract['name']} v{contract['version']} schema")
     report.violations += reader.verify_checksums()

@@ -23,9 +23,9 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from kvexport.runtime import manifest as mf
-from kvexport.runtime.errors import PackageError, TrustStoreError
-from kvexport.runtime.package import MANIFEST, PackageReader
+from kvexport.contract import manifest as mf
+from kvexport.contract.errors import PackageError, TrustStoreError
+from kvexport.contract.package import MANIFEST, PackageReader
 
 log = logging.getLogger(__name__)
 

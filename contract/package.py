@@ -25,7 +25,7 @@ import zlib
 from pathlib import Path
 from typing import Any, Iterator
 
-from kvexport.runtime.errors import ExportError, PackageError
+from kvexport.contract.errors import ExportError, PackageError
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"

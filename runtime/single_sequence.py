@@ -9,12 +9,12 @@ from typing import Any, Sequence
 
 import torch
 
-from kvexport.runtime import manifest as mf
+from kvexport.contract import manifest as mf
 from kvexport.runtime.cell_cache import Allocator, allocate, io_buffer, zeros_allocator
-from kvexport.runtime.errors import CapacityError, RuntimeRefusal
+from kvexport.contract.errors import CapacityError, RuntimeRefusal
 from kvexport.runtime.loader import IOManager, LoadedPackage, register_io_manager
 from kvexport.runtime.offgraph import check_token_ids
-from kvexport.runtime.sampler import sample, sample_argmax
+from kvexport.contract.sampler import sample, sample_argmax
 
 
 class SingleSequenceManager(IOManager):
@@ -34,10 +34,6 @@ class SingleSequenceManager(IOManager):
         self.device = torch.device(package.device)
         self.position = 0
         self.caches = self._allocate_caches()
-
-    @classmethod
-    def check_manifest(cls, manifest: dict) -> list[str]:
-        return mf.check_single_sequence_manifest(manifest, cls.contract[0])
 
     def _allocate_caches(self) -> list[torch.Tensor]:
         raise NotImplementedError

@@ -20,8 +20,8 @@ import sympy
 import torch
 from torch._export.serde import serialize as serde
 
-from kvexport.runtime.errors import PackageError
-from kvexport.runtime.program_check import UnsafeProgram, check_program, parse_sym_expr
+from kvexport.contract.errors import PackageError
+from kvexport.contract.program_check import UnsafeProgram, check_program, parse_sym_expr
 
 
 def graph_to_json(program: torch.export.ExportedProgram) -> bytes:

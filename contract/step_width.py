@@ -17,8 +17,8 @@ import re
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvexport.runtime.errors import PackageError
-from kvexport.runtime.program_check import symbol_of
+from kvexport.contract.errors import PackageError
+from kvexport.contract.program_check import symbol_of
 
 _SPEC = re.compile(r"([0-9]+):([0-9]+)")
 _INDEX_OPS = ("embedding", "index", "gather", "scatter")

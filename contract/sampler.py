@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvexport.runtime.errors import KvexportError
+from kvexport.contract.errors import KvexportError
 
 
 def sample_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvexport.runtime import manifest as mf
-from kvexport.runtime.errors import PackageError
-from kvexport.runtime.manifest import format_shape
-from kvexport.runtime.package import WEIGHTS, PackageReader
+from kvexport.contract import manifest as mf
+from kvexport.contract.errors import PackageError
+from kvexport.contract.manifest import format_shape
+from kvexport.contract.package import WEIGHTS, PackageReader
 
 def _get(container: dict, key: str, kind: type, default: Any, where: str) -> Any:
     """container[key], which must be a `kind` (never a bool) when present;
