@@ -43,6 +43,8 @@ from kvexport.contract.manifest import (
     tensor_spec,
 )
 
+from kvexport.contract.sections import check_sections
+
 
 @dataclass
 class ForwardInputs:
@@ -230,7 +232,7 @@ def check_offgraph_manifest(manifest: Any) -> list[str]:
     problems = check_offgraph_metadata(manifest["metadata"])
     if problems:
         return problems
-    return check_offgraph_methods(manifest) + check_backend(manifest) + check_bindings(manifest)
+    return check_offgraph_methods(manifest) + check_backend(manifest) + check_bindings(manifest) + check_sections(manifest)
 
 
 register_contract(OFFGRAPH_KV, OFFGRAPH_KV_VERSION, check_offgraph_manifest)

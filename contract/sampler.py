@@ -1,4 +1,4 @@
-"""The samplers of CONTRACT.md section 3. The exporter traces these same
+"""The samplers of the contracts (docs/contracts/offgraph_kv-v1.md, sampling). The exporter traces these same
 functions into the package's `sample` and `sample_argmax` methods, so the
 host sampler and the package's draw the same token for the same coin.
 

@@ -33,6 +33,7 @@ from kvexport.contract.manifest import (
     register_contract,
     tensor_spec,
 )
+from kvexport.contract.sections import check_sections
 
 
 def single_sequence_io(
@@ -105,6 +106,7 @@ def check_single_sequence_manifest(manifest: Any, name: str) -> list[str]:
         + check_method("forward", manifest["methods"]["forward"], "forward", expected)
         + check_backend(manifest)
         + check_bindings(manifest)
+        + check_sections(manifest)
     )
 
 

@@ -1,4 +1,4 @@
-"""The step-width declaration of CONTRACT.md section 1: "input_index:dim"
+"""The step-width declaration (docs/contracts/offgraph_kv-v1.md): "input_index:dim"
 names the input of the lowered program that carries the step's token count
 T, and the dim that holds it.
 

@@ -37,6 +37,7 @@ from kvexport.contract import manifest as mf
 from kvexport.contract import torch_compat, trust
 from kvexport.contract.errors import ExportError
 from kvexport.contract.package import PackageWriter, check_output
+from kvexport.contract.sections import BackendSection, ContractRef, QuantizationSection, TokenizerSection, WeightsSection
 from kvexport.exporter.backends import Backend, CompileContext, get_backend
 from kvexport.exporter.forwards import CACHE_BUFFER
 from kvexport.exporter.models import LoadedModel, load_model
@@ -73,7 +74,7 @@ class ExportState:
     bindings: dict[str, dict] = field(default_factory=dict)
     writer: PackageWriter | None = None
     methods: dict[str, dict] = field(default_factory=dict)
-    tokenizer: dict | None = None
+    tokenizer: TokenizerSection | None = None
     result: "ExportResult | None" = None
 
 
@@ -176,7 +177,7 @@ def write(state: ExportState) -> None:
     tokenizer = state.loaded.tokenizer
     if tokenizer is not None:
         tokenizer.save_pretrained(str(writer.tokenizer_dir))
-        state.tokenizer = {"dir": writer.tokenizer_dir.name, "chat_template": bool(getattr(tokenizer, "chat_template", None))}
+        state.tokenizer = TokenizerSection(writer.tokenizer_dir.name, bool(getattr(tokenizer, "chat_template", None)))
 
 
 @step("compile")
@@ -198,21 +199,18 @@ def commit(state: ExportState) -> None:
     manifest = {
         "format": mf.FORMAT,
         "format_version": mf.FORMAT_VERSION,
-        "contract": {"name": spec.contract, "version": mf.CONTRACTS[spec.contract]},
+        "contract": ContractRef(spec.contract, mf.CONTRACTS[spec.contract]).to_json(),
         "metadata": state.metadata,
         "methods": state.methods,
-        "weights": {"file": writer.weights_path.name, "tensors": len(state.tensors), "aliases": state.aliases},
-        "backend": {"id": spec.backend, **state.backend.manifest_entry(spec)},
-        "tokenizer": state.tokenizer,
+        "weights": WeightsSection(writer.weights_path.name, len(state.tensors), state.aliases).to_json(),
+        "backend": BackendSection(spec.backend, state.backend.manifest_entry(spec)).to_json(),
+        "tokenizer": state.tokenizer.to_json() if state.tokenizer else None,
         "provenance": provenance(spec, state.loaded),
     }
     if state.coverage:
-        manifest["quantization"] = {
-            "qlinear": spec.qlinear or None,
-            "qlinear_group_size": spec.qlinear_group_size or None,
-            "qembedding": spec.qembedding or None,
-            "coverage": state.coverage,
-        }
+        manifest["quantization"] = QuantizationSection(
+            spec.qlinear or None, spec.qlinear_group_size or None, spec.qembedding or None, state.coverage
+        ).to_json()
     mf.require(mf.check_manifest({**manifest, "files": {}}), "the exporter built an invalid manifest")
     weights_bytes = sum(t.numel() * t.element_size() for t in state.tensors.values())
     package_bytes = sum(p.stat().st_size for p in writer.files())

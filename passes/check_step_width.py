@@ -1,5 +1,5 @@
 """CheckStepWidthPass: checks a forward method's step-width declaration
-against its lowered program (CONTRACT.md section 1). Every backend whose
+against its lowered program (docs/contracts/offgraph_kv-v1.md). Every backend whose
 runtime reads the step width contributes it. The pipeline puts the
 declaration and the program's user-input names in the graph module's meta."""
 

@@ -1,4 +1,4 @@
-"""The runtime-owned cell cache of CONTRACT.md section 4.
+"""The runtime-owned cell cache of the offgraph_kv contract (docs/contracts/offgraph_kv-v1.md).
 
 A cell holds one token's K/V in every layer, its position, and the set of
 sequences that own it, kept as a 64-bit mask (so at most 64 sequences live at
@@ -13,7 +13,8 @@ cells in use; every method always receives views of the same storage.
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 
@@ -188,6 +189,20 @@ class CellCache:
         self.owners[cells] = torch.tensor([sequence_bit(s) for s in seqs], dtype=torch.int64)
         self.positions[cells] = pos
         return cells, pos
+
+    @contextlib.contextmanager
+    def placed(self, seqs: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """place() as a transaction: if the block raises, the cells are free
+        again and every sequence has the length it had before."""
+        saved = dict(self.next_pos)
+        cells, positions = self.place(seqs)
+        try:
+            yield cells, positions
+        except BaseException:
+            self.owners[cells] = 0
+            self.next_pos.clear()
+            self.next_pos.update(saved)
+            raise
 
     def read_len(self) -> int:
         """One past the highest occupied cell; the scratch cell counts."""

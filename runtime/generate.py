@@ -33,7 +33,7 @@ def generate(
     sampling.validate()
     if max_new_tokens < 0:
         raise KvexportError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-    if not isinstance(manager, OffgraphKVManager):
+    if not manager.batches_sessions:
         return _generate_one_at_a_time(manager, prompts, max_new_tokens, sampling, seed, on_token, stop_at_eos)
     _check_admission(manager, prompts, max_new_tokens)
     outputs: list[list[int]] = [[] for _ in prompts]

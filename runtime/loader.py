@@ -34,6 +34,7 @@ class IOManager:
     """Drives a package's programs according to the contract it declares."""
 
     contract: tuple[str, int]
+    batches_sessions = False  # True: step() takes many sessions at once (generate batches them)
 
     @staticmethod
     def check_manifest(manifest: dict) -> list[str]:

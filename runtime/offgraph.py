@@ -1,4 +1,4 @@
-"""The `offgraph_kv` v1 I/O manager (CONTRACT.md sections 4 and 5): sessions
+"""The `offgraph_kv` v1 I/O manager (docs/contracts/offgraph_kv-v1.md): sessions
 over a cell cache, and one `step` that packs a batch onto one token axis,
 cuts it into slices, runs each through the narrowest method, and hands back
 each session's selected logits."""
@@ -56,6 +56,7 @@ class _Slice:
 
 @register_io_manager(mf.OFFGRAPH_KV, mf.OFFGRAPH_KV_VERSION)
 class OffgraphKVManager(IOManager):
+    batches_sessions = True
 
     def __init__(
         self,
@@ -154,16 +155,8 @@ class OffgraphKVManager(IOManager):
             seqs += [entry.session.seq] * len(entry.tokens)
             token_ids += [operator.index(t) for t in entry.tokens]
             selected.append(len(token_ids) - 1 if entry.wants_logits else None)
-        saved_next = dict(self.cache.next_pos)
-        cells, positions = self.cache.place(seqs)
-        try:
+        with self.cache.placed(seqs) as (cells, positions):
             rows = self._run(torch.tensor(token_ids), positions, cells, seqs, [s for s in selected if s is not None])
-        except BaseException:
-            # undo the placement: those cells were free before this step
-            self.cache.owners[cells] = 0
-            self.cache.next_pos.clear()
-            self.cache.next_pos.update(saved_next)
-            raise
         return [None if s is None else rows[s] for s in selected]
 
     def _run(

@@ -1,4 +1,4 @@
-"""Batched equals alone; clones; refusals; freed cells (CONTRACT.md 4-6)."""
+"""Batched equals alone; clones; refusals; freed cells (docs/contracts/offgraph_kv-v1.md)."""
 
 from __future__ import annotations
 

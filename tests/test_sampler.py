@@ -1,4 +1,4 @@
-"""The package's `sample` draws what the host sampler draws (CONTRACT.md 3)."""
+"""The package's `sample` draws what the host sampler draws (docs/contracts/offgraph_kv-v1.md)."""
 
 from __future__ import annotations
 
