@@ -11,6 +11,7 @@ from kvexport.contract.errors import PackageError
 from kvexport.contract.manifest import format_shape
 from kvexport.contract.package import WEIGHTS, PackageReader
 
+
 def _get(container: dict, key: str, kind: type, default: Any, where: str) -> Any:
     """container[key], which must be a `kind` (never a bool) when present;
     JSON null reads as absent. A package is untrusted: anything else is

@@ -417,6 +417,7 @@ class PackageReader:
 
 
 MAX_MANIFEST_BYTES = 64 << 20
+MAX_NAME_BYTES, MAX_PATH_BYTES = 255, 1024  # Linux allows 255 and 4096; a package's own paths are short
 MAX_PROGRAM_BYTES = 1 << 30  # a 70B model's graph is tens of MB; bounds a gzip bomb
 
 
@@ -428,6 +429,12 @@ def confined_problem(rel: Any) -> str | None:
         return "an absolute path or odd characters; package paths are relative, with /"
     if any(part in ("", ".", "..") for part in rel.split("/")):
         return "has an empty, '.' or '..' part; package paths stay inside the package"
+    try:
+        encoded = os.fsencode(rel)
+    except UnicodeError:
+        return "not a file name this system can encode"
+    if len(encoded) > MAX_PATH_BYTES or any(len(part) > MAX_NAME_BYTES for part in encoded.split(b"/")):
+        return f"longer than a file system allows ({MAX_NAME_BYTES} bytes a name, {MAX_PATH_BYTES} in all)"
     return None
 
 

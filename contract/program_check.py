@@ -11,7 +11,12 @@ offending text named, unless:
   storage, or one of a fixed set of symbolic-integer helpers;
 - every symbolic expression parses, with Python's `ast` (never `eval`),
   into the small grammar of integer arithmetic torch writes: `Symbol`,
-  `Integer`, `Add`, `Mul`, `Min`, `Max`, `FloorDiv`, `Mod`, ... .
+  `Integer`, `Add`, `Mul`, `Min`, `Max`, `FloorDiv`, `Mod`, ... ;
+- every value name, and every argument name and keyword of the call
+  signature, is a plain identifier, and the signature's pytree specs hold
+  only tuples, lists and dicts: torch writes those names into the Python
+  source of the rebuilt module, and decodes a spec's context with a hook
+  that imports whatever module it names.
 
 `parse_sym_expr` also builds the sympy expression itself from the parse, so
 loading never calls `sympify` on package text (see torch_compat).
@@ -185,6 +190,10 @@ def check_program(method: str, program: Any) -> list[str]:
     if isinstance(calls, list) and calls and not (isinstance(calls[0], dict) and calls[0].get("fqn") == ""):
         problems.append(f"{where}: graph_module.module_call_graph[0] must be the root module's (fqn ''), found {calls[0]!r:.80}")
     problems += [f"{where}: {why}" for why in _signature_problems(calls)]
+    # torch 2.13 writes a graph input's name verbatim into the rebuilt
+    # module's `def forward(...)` line; every value name must be plain.
+    names = {v for k, v in _walk(program["graph_module"]) if k in ("name", "as_name") and isinstance(v, str) and v}
+    problems += [f"{where}: value name {n!r:.120} is not a plain identifier" for n in sorted(names) if not _identifier(n)]
     for node in _nodes(program):
         if "target" not in node:
             problems.append(f"{where}: a node has no target")

@@ -199,6 +199,19 @@ class LoadedPackage:
         return load_tokenizer(self.reader.tokenizer_dir)
 
 
+def check_output(method: str, value: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A method's result is what the contract says it returns: the program
+    is the package's, and the runtime indexes into what it gets."""
+    if not (isinstance(value, torch.Tensor) and tuple(value.shape) == shape and value.dtype == dtype):
+        found = type(value).__name__
+        if isinstance(value, torch.Tensor):
+            found = f"{str(value.dtype).removeprefix('torch.')} {list(value.shape)}"
+        raise PackageError(
+            f"methods.{method}: returned {found}, the contract says {str(dtype).removeprefix('torch.')} {list(shape)}"
+        )
+    return value
+
+
 def _check_bound_tensors(program: torch.export.ExportedProgram, method: str) -> None:
     """Every tensor bound into the program (weights, runtime state) has the
     dtype and static shape the program was traced with: the weights file

@@ -13,9 +13,10 @@ from typing import Any, Sequence
 import torch
 
 from kvexport.contract import manifest as mf
+from kvexport.contract.offgraph_kv import ForwardInputs
 from kvexport.runtime.cell_cache import SCRATCH_CELL, Allocator, CellCache, io_buffer, sequence_bit, zeros_allocator
 from kvexport.contract.errors import PackageError, RuntimeRefusal
-from kvexport.runtime.loader import IOManager, LoadedPackage, register_io_manager
+from kvexport.runtime.loader import IOManager, LoadedPackage, check_output, register_io_manager
 from kvexport.contract.sampler import sample, sample_argmax
 
 PAD_TOKEN = 0
@@ -183,15 +184,16 @@ class OffgraphKVManager(IOManager):
             step_cells = _pad(cells[sl], pad, SCRATCH_CELL)
             step_bits = _pad(bits[sl], pad, 0)
             masks = self.cache.masks(step_bits, step_pos, n_cells)
-            logits = self.package.run(
-                piece.method,
-                self._io(step_tokens.unsqueeze(0)),
-                self._io(step_pos),
-                self._io(torch.tensor(keep, dtype=torch.int64)),
-                *pools,
-                self._io(step_cells),
-                *(self._io(mask) for mask in masks),
+            inputs = ForwardInputs(
+                tokens=self._io(step_tokens.unsqueeze(0)),
+                input_pos=self._io(step_pos),
+                logits_to_keep=self._io(torch.tensor(keep, dtype=torch.int64)),
+                pools=pools,
+                cells=self._io(step_cells),
+                masks=[self._io(mask) for mask in masks],
             )
+            logits = self.package.run(piece.method, *inputs.pack())
+            check_output(piece.method, logits, (want, self.vocab_size), torch.float32)
             for i, row in enumerate(rows):
                 out[piece.start + row] = logits[i]
         return out
@@ -206,10 +208,12 @@ class OffgraphKVManager(IOManager):
         or the host's; both give the same tokens for the same params."""
         greedy = bool((params[:, 0] <= 0).all())
         params = params.to(logits.device)
+        rows = (logits.shape[0],)
         if on_device and greedy and self.package.has_method("sample_argmax"):
-            return self.package.run("sample_argmax", self._io(logits))
+            return check_output("sample_argmax", self.package.run("sample_argmax", self._io(logits)), rows, torch.int64)
         if on_device and self.package.has_method("sample"):
-            return self.package.run("sample", self._io(logits), self._io(params))
+            tokens = self.package.run("sample", self._io(logits), self._io(params))
+            return check_output("sample", tokens, rows, torch.int64)
         return sample_argmax(logits) if greedy else sample(logits, params)
 
 

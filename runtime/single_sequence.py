@@ -12,7 +12,7 @@ import torch
 from kvexport.contract import manifest as mf
 from kvexport.runtime.cell_cache import Allocator, allocate, io_buffer, zeros_allocator
 from kvexport.contract.errors import CapacityError, RuntimeRefusal
-from kvexport.runtime.loader import IOManager, LoadedPackage, register_io_manager
+from kvexport.runtime.loader import IOManager, LoadedPackage, check_output, register_io_manager
 from kvexport.runtime.offgraph import check_token_ids
 from kvexport.contract.sampler import sample, sample_argmax
 
@@ -68,6 +68,7 @@ class SingleSequenceManager(IOManager):
                 chunk = [int(t) for t in tokens[start : start + self.max_step]]
                 positions = torch.arange(self.position, self.position + len(chunk))
                 logits = self.package.run("forward", self._io(torch.tensor([chunk])), self._io(positions), *self.caches)
+                check_output("forward", logits, (1, self.vocab_size), torch.float32)
                 self.position += len(chunk)
         except BaseException:
             self.position = start_position  # what was written past it is masked out

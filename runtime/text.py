@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from kvexport.contract.errors import KvexportError
+from kvexport.contract.errors import KvexportError, PackageError
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,17 @@ class TextStream:
 def load_tokenizer(directory: Path | None) -> Text:
     if directory is None or not directory.is_dir():
         raise KvexportError("this package carries no tokenizer; pass token ids with --prompt-ids instead of --prompt")
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise PackageError(f"tokenizer.dir {directory.name}: holds none of {', '.join(TOKENIZER_FILES)}")
     from transformers import AutoTokenizer  # only the tokenizer; no model code
 
-    # a package's tokenizer is data: no code from it, nothing fetched
-    return Text(AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False, local_files_only=True))
+    try:
+        # a package's tokenizer is data: no code from it, nothing fetched
+        return Text(AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False, local_files_only=True))
+    except (OSError, ValueError) as e:  # what transformers raises for files it cannot read or parse
+        raise PackageError(
+            f"tokenizer.dir {directory.name}: not a tokenizer transformers can load ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

@@ -1,7 +1,9 @@
-"""Packages are untrusted input: a seeded fuzzer. Each case copies the tiny
-package, mutates its manifest or one of its programs (types, numbers,
-strings, nesting, deleted keys, truncated bytes), fixes the checksums up as
-an attacker would, so the mutation reaches the deep checks, and then:
+"""Packages are untrusted input: a seeded fuzzer. Each case copies a tiny
+package (offgraph_kv, ingraph_kv or hf_static), mutates its manifest, one of
+its programs or its weights file's header (types, numbers, strings, nesting,
+deleted keys, truncated bytes, values swapped for others of their type, code
+aimed at the names torch writes into Python), fixes the checksums up as an
+attacker would, so the mutation reaches the deep checks, and then:
 
 - `validate_package` returns a Report, never raises;
 - `describe` (and its rendering, as `kvexport inspect` shows it) returns
@@ -17,7 +19,7 @@ an attacker would, so the mutation reaches the deep checks, and then:
 
 from __future__ import annotations
 
-import copy as deepcopy_module
+import copy
 import gzip
 import json
 import logging
@@ -28,6 +30,7 @@ import re
 import shutil
 import signal
 import struct
+import sys
 import time
 import traceback
 from collections import Counter
@@ -45,7 +48,7 @@ from kvexport.contract.validate import Report, render as render_report, validate
 
 log = logging.getLogger(__name__)
 
-CASES = int(os.environ.get("KVEXPORT_FUZZ_CASES", "120"))  # about 40 s on a laptop CPU
+CASES = int(os.environ.get("KVEXPORT_FUZZ_CASES", "150"))  # about 30 s, and 15 s to export the packages
 SEED = int(os.environ.get("KVEXPORT_FUZZ_SEED", "20240611"))
 ONLY = os.environ.get("KVEXPORT_FUZZ_CASE")
 CASE_SECONDS = 20.0
@@ -54,12 +57,26 @@ CANARY = "kvexport-fuzz-canary"
 
 
 # ------------------------------------------------------------------ values
-def interesting_strings(canary: Path) -> list[str]:
+CANARY_MODULE = "kvexport_fuzz_canary"  # importing it creates the canary file
+
+
+def injections(canary: Path) -> list[str]:
+    """Python that creates the canary, shaped for the places a name or an
+    expression could land in generated source, and a JSON object torch's
+    pytree decoder would import a module for."""
     touch = f"__import__('os').system('touch {canary}')"
     return [
+        touch, f"x={touch}", f"x':{touch},'y", f"x):\n    {touch}\n    def _(y", f"Mul(Integer(16), {touch})",
+        f"Symbol('s1', positive={touch})", json.dumps({"__enum__": True, "fqn": f"{CANARY_MODULE}:X", "name": "a"}),
+        json.dumps([json.dumps({"__enum__": True, "fqn": f"{CANARY_MODULE}:X", "name": "a"})]),
+    ]
+
+
+def interesting_strings(canary: Path) -> list[str]:
+    return injections(canary) + [
         "", "../..", "../../etc/passwd", "/etc/passwd", "programs/../manifest.json", "programs", "a\\b", ".",
         "a" * 100_000, "ü∂😀\u202e", "\ud800", "nul\x00byte", "s27", "C", "1:0", "0:1", "99:0", "1:99", "1:0:0",
-        touch, f"Mul(Integer(16), {touch})", f"Symbol('s1', positive={touch})", "Symbol('s99', positive=True, integer=True)",
+        "Symbol('s99', positive=True, integer=True)",
         "Integer(9223372036854775808)", "FloorDiv(Symbol('s1'), Integer(0))", "Max(" * 500 + "Integer(1)" + ")" * 500,
         "torch.ops.aten.from_file.default", "torch.ops.aten.mm.default", "torch.ops.aten.mm", "builtins.eval",
         "_operator.getitem", "torch.sym_max", "programs/forward_1.json.gz", "weights.safetensors", "manifest.json",
@@ -127,9 +144,10 @@ def random_path(doc, rng: random.Random) -> list:
 
 def _has(doc, path: list) -> bool:
     for key in path:
-        if not isinstance(doc, dict) or key not in doc:
+        if isinstance(doc, dict) and key in doc or isinstance(doc, list) and isinstance(key, int) and key < len(doc):
+            doc = doc[key]
+        else:
             return False
-        doc = doc[key]
     return True
 
 
@@ -178,8 +196,53 @@ def plausible(doc, rng: random.Random) -> tuple[object, str]:
     return put(doc, path, new), f"plausible {'/'.join(str(k)[:40] for k in path)} -> {_short(new)}"
 
 
+def inject(doc, rng: random.Random, canary: Path) -> tuple[object, str]:
+    """Code aimed at the program text torch turns into Python: the call
+    signature (argument names, the pytree specs of the arguments) and the
+    names of values (a graph input's becomes a parameter of `forward`)."""
+    payload = rng.choice(injections(canary))
+    root_call = doc["graph_module"]["module_call_graph"][0]
+    graph = doc["graph_module"].get("graph")
+    if not (isinstance(root_call, dict) and isinstance(root_call.get("signature"), dict) and isinstance(graph, dict)):
+        return doc, "inject: an earlier mutation left no signature"
+    signature = root_call["signature"]
+    roll = rng.random()
+    if roll < 0.25 and signature.get("forward_arg_names"):
+        names = signature["forward_arg_names"]
+        names[rng.randrange(len(names))] = payload
+        return doc, f"inject forward_arg_names -> {payload[:60]!r}"
+    if roll < 0.5:
+        leaf = {"type": None, "context": None, "children_spec": []}
+        keyed = rng.random() < 0.5
+        spec = {"type": "builtins.tuple", "context": "null" if keyed else payload, "children_spec": [
+            {"type": "builtins.tuple", "context": "null", "children_spec": []},
+            {"type": "builtins.dict", "context": json.dumps([payload]) if keyed else "[]", "children_spec": [leaf] if keyed else []},
+        ]}
+        signature["in_spec"] = json.dumps([1, spec])
+        return doc, f"inject in_spec {'keys' if keyed else 'context'} -> {payload[:60]!r}"
+    names = [v for k, v in _walk_pairs(graph.get("inputs", [])) if k == "name" and isinstance(v, str)]
+    if not names:
+        return doc, "inject: no input to rename"
+    name = rng.choice(names)  # renamed everywhere, the forward_arg_names included
+    text = json.dumps(doc).replace(json.dumps(name), json.dumps(payload))
+    return json.loads(text), f"inject rename {name} -> {payload[:60]!r}"
+
+
+def _walk_pairs(doc):
+    stack = [doc]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            yield from item.items()
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
 def mutate(doc, rng: random.Random, canary: Path) -> tuple[object, str]:
     """One mutation of a JSON document; returns the document and a note."""
+    if _has(doc, ["graph_module", "module_call_graph", 0]) and rng.random() < 0.08:
+        return inject(doc, rng, canary)
     if rng.random() < 0.25:
         return plausible(doc, rng)
     path = random_path(doc, rng)
@@ -207,9 +270,9 @@ def mutate(doc, rng: random.Random, canary: Path) -> tuple[object, str]:
     elif op == "flip" and isinstance(old, list):
         new = {str(i): v for i, v in enumerate(old)}
     elif op == "splice":
-        new = deepcopy_module.deepcopy(at(doc, random_path(doc, rng)))
+        new = copy.deepcopy(at(doc, random_path(doc, rng)))
     elif op == "append" and isinstance(old, list):
-        new = old + [deepcopy_module.deepcopy(rng.choice(old)) if old and rng.random() < 0.7 else random_value(rng, canary)]
+        new = old + [copy.deepcopy(rng.choice(old)) if old and rng.random() < 0.7 else random_value(rng, canary)]
     else:
         new = random_value(rng, canary)
         op = "retype"
@@ -400,8 +463,12 @@ def sources(tiny_package, tmp_path_factory) -> list[Path]:
     return out
 
 
-def test_mutated_packages_are_refused_cleanly(tmp_path, sources):
+def test_mutated_packages_are_refused_cleanly(tmp_path, sources, monkeypatch):
     canary = tmp_path / CANARY
+    modules = tmp_path / "modules"  # an importable module that creates the canary
+    modules.mkdir()
+    (modules / f"{CANARY_MODULE}.py").write_text(f"open({str(canary)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(modules))
     cases = [int(ONLY)] if ONLY is not None else range(CASES)
     failures, slowest, start, reached = [], (0.0, None), time.perf_counter(), Counter()
     previous = signal.signal(signal.SIGALRM, _on_alarm)
@@ -428,6 +495,7 @@ def test_mutated_packages_are_refused_cleanly(tmp_path, sources):
             if canary.exists():
                 problems.append("injected code ran: the canary file exists")
                 canary.unlink()
+                sys.modules.pop(CANARY_MODULE, None)
             if problems:
                 failures.append(f"case {case} ({' '.join(notes)}):\n  " + "\n  ".join(problems))
             shutil.rmtree(pkg, ignore_errors=True)
@@ -439,3 +507,55 @@ def test_mutated_packages_are_refused_cleanly(tmp_path, sources):
     )
     log.warning(summary)
     assert not failures, f"{summary}; {len(failures)} failed (replay one with KVEXPORT_FUZZ_CASE=N):\n" + "\n".join(failures[:30])
+
+
+# ------------------------------------------------------ what it found
+def _edit_sample_argmax(pkg: Path, edit) -> None:
+    path = pkg / "programs" / "sample_argmax.json.gz"
+    path.write_bytes(gzip.compress(dumps(edit(json.loads(gzip.decompress(path.read_bytes()))))))
+    fix_checksums(pkg)
+
+
+def _in_spec(args_context: str, kwargs: list[str]) -> str:
+    leaf = {"type": None, "context": None, "children_spec": []}
+    return json.dumps([1, {"type": "builtins.tuple", "context": args_context, "children_spec": [
+        {"type": "builtins.tuple", "context": "null", "children_spec": []},
+        {"type": "builtins.dict", "context": json.dumps(kwargs), "children_spec": [leaf] * len(kwargs)},
+    ]}])
+
+
+@pytest.mark.parametrize("vector", ["input name", "spec keys", "spec context"])
+def test_text_torch_turns_into_python_is_refused(tmp_path, tiny_package, monkeypatch, vector):
+    """Found by the fuzzer: torch 2.13 writes a graph input's name into the
+    rebuilt module's `def forward(...)`, a spec's dict keys into a dict
+    literal in its body, and decodes a spec's context with a hook that
+    imports the module an `__enum__` object names. Each of these created
+    the canary (on load, on the first call, and on load) and validated ok."""
+    canary = tmp_path / CANARY
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / f"{CANARY_MODULE}.py").write_text(f"open({str(canary)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(modules))
+    monkeypatch.delitem(sys.modules, CANARY_MODULE, raising=False)
+    touch = f"__import__('os').system('touch {canary}')"
+    pkg = tmp_path / "pkg"
+    shutil.copytree(tiny_package("tiny-llama"), pkg)
+
+    def edit(program):
+        signature = program["graph_module"]["module_call_graph"][0]["signature"]
+        if vector == "input name":
+            return json.loads(json.dumps(program).replace('"logits"', json.dumps(f"x={touch}")))
+        if vector == "spec keys":
+            signature["in_spec"] = _in_spec("null", [f"x':{touch},'y"])
+        else:
+            signature["in_spec"] = _in_spec(json.dumps({"__enum__": True, "fqn": f"{CANARY_MODULE}:X", "name": "a"}), [])
+        return program
+
+    _edit_sample_argmax(pkg, edit)
+    report = validate_package(pkg)
+    assert any(v.startswith("methods.sample_argmax.program:") for v in report.violations), report.violations
+    with pytest.raises(KvexportError, match="sample_argmax"):
+        rt = load(pkg)
+        rt.package.method("sample_argmax")
+        generate(rt, [[1, 2, 3]], max_new_tokens=2)
+    assert not canary.exists()
