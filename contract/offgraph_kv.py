@@ -67,6 +67,39 @@ class ForwardInputs:
         return cls(args[0], args[1], args[2], pools, args[3 + n_pools], tuple(args[4 + n_pools :]))
 
 
+def build_metadata(
+    geometry: CacheGeometry,
+    vocab_size: int,
+    max_context_len: int,
+    max_step_tokens: int,
+    max_cells: int,
+    min_prefill_chunk: int,
+    forward_sizes: list[int],
+    bos_id: int | None,
+    eos_ids: list[int],
+    dtype: str,
+    architecture: str,
+) -> dict[str, Any]:
+    """The contract's metadata; `check_offgraph_metadata` is its check."""
+    return {
+        "get_max_context_len": max_context_len,
+        "get_max_seq_len": max_step_tokens,
+        "get_vocab_size": vocab_size,
+        "get_logits_to_keep_mode": LOGITS_MODE_SELECTED,
+        "get_n_caches": geometry.n_layers,
+        "get_kv_heads": list(geometry.kv_heads),
+        "get_head_dims": list(geometry.head_dims),
+        "get_windows": list(geometry.windows),
+        "get_offgraph_kv_max_cells": max_cells,
+        "get_min_prefill_chunk": min_prefill_chunk,
+        "bos_id": bos_id,
+        "eos_ids": eos_ids,
+        "dtype": dtype,
+        "forward_sizes": forward_sizes,
+        "architecture": architecture,
+    }
+
+
 def forward_io(
     geometry: CacheGeometry,
     cache_dtype: str,

@@ -36,6 +36,38 @@ from kvexport.contract.manifest import (
 from kvexport.contract.sections import check_sections
 
 
+def build_metadata(
+    name: str,
+    geometry: CacheGeometry,
+    vocab_size: int,
+    context: int,
+    max_step_tokens: int,
+    bos_id: int | None,
+    eos_ids: list[int],
+    dtype: str,
+    architecture: str,
+) -> dict[str, Any]:
+    """ingraph_kv's or hf_static's metadata; `check_single_sequence_manifest` checks it."""
+    common = {
+        "get_max_seq_len": max_step_tokens,
+        "get_vocab_size": vocab_size,
+        "get_n_layers": geometry.n_layers,
+        "get_bos_id": bos_id,
+        "get_eos_ids": eos_ids,
+        "dtype": dtype,
+        "architecture": architecture,
+    }
+    if name == INGRAPH_KV:
+        return {**common, "get_max_context_len": context, "use_kv_cache": True, "enable_dynamic_shape": True}
+    return {
+        **common,
+        "get_max_cache_len": context,
+        "get_kv_heads": list(geometry.kv_heads),
+        "get_head_dims": list(geometry.head_dims),
+        "get_windows": list(geometry.windows),
+    }
+
+
 def single_sequence_io(
     vocab_size: int, max_step: int, geometry: CacheGeometry | None = None, cache_dtype: str = "", cache_len: int = 0
 ) -> tuple[list[dict], list[dict]]:

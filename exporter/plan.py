@@ -76,42 +76,14 @@ def contract_metadata(spec: ExportSpec, loaded: LoadedModel, forward: ContractFo
     bos, eos = _bos_eos(loaded)
     architecture = (getattr(config, "architectures", None) or [type(loaded.model).__name__])[0]
     if spec.contract in (mf.INGRAPH_KV, mf.HF_STATIC):
-        common = {
-            "get_max_seq_len": spec.max_step_tokens,
-            "get_vocab_size": forward.vocab_size,
-            "get_n_layers": geometry.n_layers,
-            "get_bos_id": bos,
-            "get_eos_ids": eos,
-            "dtype": spec.dtype,
-            "architecture": architecture,
-        }
-        if spec.contract == mf.INGRAPH_KV:
-            return {**common, "get_max_context_len": forward.context, "use_kv_cache": True, "enable_dynamic_shape": True}
-        return {
-            **common,
-            "get_max_cache_len": forward.context,
-            "get_kv_heads": list(geometry.kv_heads),
-            "get_head_dims": list(geometry.head_dims),
-            "get_windows": list(geometry.windows),
-        }
-    context = context_len(spec, config)
-    return {
-        "get_max_context_len": context,
-        "get_max_seq_len": spec.max_step_tokens,
-        "get_vocab_size": forward.vocab_size,
-        "get_logits_to_keep_mode": mf.LOGITS_MODE_SELECTED,
-        "get_n_caches": geometry.n_layers,
-        "get_kv_heads": list(geometry.kv_heads),
-        "get_head_dims": list(geometry.head_dims),
-        "get_windows": list(geometry.windows),
-        "get_offgraph_kv_max_cells": spec.max_cells,
-        "get_min_prefill_chunk": spec.min_prefill_chunk,
-        "bos_id": bos,
-        "eos_ids": eos,
-        "dtype": spec.dtype,
-        "forward_sizes": list(spec.forward_sizes),
-        "architecture": architecture,
-    }
+        return single_sequence.build_metadata(
+            spec.contract, geometry, forward.vocab_size, forward.context, spec.max_step_tokens, bos, eos, spec.dtype,
+            architecture,
+        )
+    return offgraph_kv.build_metadata(
+        geometry, forward.vocab_size, context_len(spec, config), spec.max_step_tokens, spec.max_cells,
+        spec.min_prefill_chunk, list(spec.forward_sizes), bos, eos, spec.dtype, architecture,
+    )
 
 
 def _distinct_examples(*ranges: tuple[int, int]) -> list[int]:
