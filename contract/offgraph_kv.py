@@ -37,7 +37,6 @@ from kvexport.contract.manifest import (
     check_method,
     check_types,
     dyn,
-    int_list,
     is_int,
     register_contract,
     tensor_spec,

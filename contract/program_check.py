@@ -144,11 +144,11 @@ def _symbol(node: ast.Call, text: str) -> Any:
     if not SYMBOL_NAME.fullmatch(name):
         raise UnsafeProgram(f"expression {text!r:.120}: symbol name {name!r:.40} is not like s27")
     assumptions = {}
-    for keyword in node.keywords:
-        value = keyword.value
-        if keyword.arg not in _ASSUMPTIONS or not (isinstance(value, ast.Constant) and type(value.value) is bool):
-            raise UnsafeProgram(f"expression {text!r:.120}: Symbol assumption {keyword.arg!r} is not allowed")
-        assumptions[keyword.arg] = value.value
+    for assumption in node.keywords:
+        value = assumption.value
+        if assumption.arg not in _ASSUMPTIONS or not (isinstance(value, ast.Constant) and type(value.value) is bool):
+            raise UnsafeProgram(f"expression {text!r:.120}: Symbol assumption {assumption.arg!r} is not allowed")
+        assumptions[assumption.arg] = value.value
     return sympy.Symbol(name, **assumptions)
 
 
