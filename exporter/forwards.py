@@ -155,7 +155,7 @@ class ContractForward(nn.Module):
     @torch.no_grad()
     def _probe_geometry(self) -> CacheGeometry:
         probe = GeometryProbe({})
-        ids = torch.tensor([[0, 1]], device=self.lm_head.weight.device)
+        ids = torch.tensor([[0, 1]], device=self.device)
         self.decoder(input_ids=ids, position_ids=ids, use_cache=False, **{_STATE_KEY: probe})
         n = len(probe.layers)
         if sorted(probe.layers) != list(range(n)):
@@ -165,8 +165,13 @@ class ContractForward(nn.Module):
         return CacheGeometry(heads, dims, layer_windows(self.config, n))
 
     @property
+    def device(self) -> torch.device:
+        """Where the head's weights (a float weight or packed codes) live."""
+        return next(iter(self.lm_head.state_dict().values())).device
+
+    @property
     def vocab_size(self) -> int:
-        return self.lm_head.weight.shape[0]
+        return self.lm_head.out_features
 
     def _rows_logits(self, tokens: torch.Tensor, input_pos: torch.Tensor, step: StepState, rows) -> torch.Tensor:
         hidden = self.decoder(
@@ -213,7 +218,7 @@ class SingleSequenceForward(ContractForward):
             self.kv_cache = nn.Module()
             for layer, (heads, dim) in enumerate(zip(self.geometry.kv_heads, self.geometry.head_dims)):
                 holder = nn.Module()
-                device = self.lm_head.weight.device
+                device = self.device
                 holder.register_buffer("k", torch.zeros(context, heads, dim, dtype=cache_dtype, device=device), persistent=False)
                 holder.register_buffer("v", torch.zeros(context, heads, dim, dtype=cache_dtype, device=device), persistent=False)
                 self.kv_cache.add_module(str(layer), holder)

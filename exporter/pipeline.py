@@ -100,11 +100,16 @@ def quantize(state: ExportState) -> None:
     spec = state.spec
     if not (spec.qlinear or spec.qembedding):
         return
-    state.coverage = quantize_model(state.loaded.model, spec.qlinear, spec.qlinear_group_size, spec.qembedding)
-    inner = plain_weights(state.loaded.model)
+    loaded = state.loaded
+    state.coverage = quantize_model(
+        loaded.model, spec.qlinear, spec.qlinear_group_size, spec.qembedding,
+        algorithm=spec.qlinear_algorithm, keep_8w=tuple(p.strip() for p in spec.qlinear_keep_8w.split(",") if p.strip()), tokenizer=loaded.tokenizer,
+        gguf=loaded.provenance.get("source", {}).get("gguf"), progress=state.progress,
+    )
+    inner = plain_weights(loaded.model)  # torchao's (8da4w)
     for row in state.coverage:
-        if row["scheme"]:
-            row["stored"] = inner[f"{row['module']}.weight"]  # tensors for now: named once weights are gathered
+        if row["module"] in inner:
+            row["stored"] = inner[row["module"]]  # tensors for now: named once weights are gathered
 
 
 @step("build forward")

@@ -1,90 +1,237 @@
-"""torchao weight quantization before tracing, with a coverage report: every
-linear and embedding, with the scheme applied or the reason it was skipped.
+"""Weight quantization before tracing, with a coverage report: every linear
+and embedding, with the scheme applied (and the source's own type) or the
+reason it was skipped.
 
-Schemes (`--qlinear`): 8w (int8 weights, per channel, or per group when a
-group size is given), 4w (int4 weights per group, torchao's intx weight-only
-config: the CPU one), 8da4w (int8 dynamic activations, int4 weights per
-group). `--qembedding 8w`: int8 embeddings, per row.
+Schemes:
+- `--qlinear 8w`: 8-bit codes per row (or per group with a group size);
+- `--qlinear 4w`: 4-bit codes per group of 32, two a byte;
+- `--qlinear gguf`: a GGUF source's own quantization kept exactly (Q4_0 ...
+  Q6_K; exporter/gguf_codes.py), embeddings and head included;
+- `--qlinear 8da4w`: torchao's int8 dynamic activations, int4 weights;
+- `--qembedding 8w`: 8-bit codes per row; a tied LM head shares them.
+
+Every scheme but 8da4w stores packed row-lane words with a float scale and
+offset per group, `w = scale * code + offset` (passes/packed_weights.py),
+read through PackedLinear / PackedEmbedding. The scale and offset of a group
+come from its minimum and maximum (the offset is a float, like GGUF's Q4_1,
+so both ends of every group are exact) or from HQQ's search
+(`--qlinear-algorithm hqq`); per-group ones are stored in fp16, the codes
+chosen against the rounded values. `--qlinear-keep-8w` keeps linears at 8
+bits by name pattern, or the most sensitive ones (`sensitive:FRACTION`:
+each linear's relative output error on a calibration text, 4-bit against
+its float weight).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import fnmatch
+from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-QLINEAR = ("8w", "4w", "8da4w")
+from kvexport.contract.errors import ModelError, SpecError
+from kvexport.passes.packed_weights import dequantize_packed, dequantize_rows, pack, pad_rows
+
+QLINEAR = ("8w", "4w", "gguf", "8da4w")
 QEMBEDDING = ("8w",)
+ALGORITHMS = ("minmax", "hqq")
 DEFAULT_GROUP_4BIT = 32
+CALIBRATION_TEXT = (
+    "The river rose through the night, and by morning the low fields were under water. Farmers moved their "
+    "animals to the hills while engineers checked the old stone bridge. In the town, the bakery stayed open, "
+    "the school became a shelter, and volunteers carried sandbags along the main street. A week later the "
+    "water fell, leaving mud, broken fences and a long list of repairs, but no one had been lost."
+)
 
 
-def _linear_config(scheme: str, group_size: int) -> Any:
-    """torchao's intx configs, asymmetric: on SmolLM2 they agree with fp32
-    more often than the symmetric ones and Int8WeightOnlyConfig
-    (bench/quant_variants.py)."""
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
-    from torchao.quantization.granularity import PerAxis, PerGroup
-    from torchao.quantization.quant_primitives import MappingType
+class PackedLinear(nn.Module):
+    """A linear over packed codes: F.linear(x, dequantize_packed(...)); the
+    backend's passes pick the kernel."""
 
-    if scheme == "8w":
-        granularity = PerGroup(group_size) if group_size else PerAxis(0)
-        return IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=granularity, mapping_type=MappingType.ASYMMETRIC)
-    group = PerGroup(group_size or DEFAULT_GROUP_4BIT)
-    if scheme == "4w":
-        return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=group, mapping_type=MappingType.ASYMMETRIC)
-    return Int8DynamicActivationIntxWeightConfig(
-        weight_dtype=torch.int4, weight_granularity=group, weight_mapping_type=MappingType.ASYMMETRIC
-    )
+    def __init__(self, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+                 out_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("words", words)
+        self.register_buffer("scale", scale)
+        self.register_buffer("offset", offset)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.bits, self.out_features, self.in_features = bits, out_features, words.shape[1]
 
-
-def _embedding_config() -> Any:
-    """int8 per row: the 8w linear config with one scale per row, so a tied
-    LM head can share the table (quantize_model)."""
-    return _linear_config("8w", 0)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = dequantize_packed(self.words, self.scale, self.offset, self.bits, self.out_features, x.dtype)
+        return F.linear(x, weight, self.bias)
 
 
-def quantize_model(model: nn.Module, qlinear: str, group_size: int, qembedding: str) -> list[dict[str, Any]]:
-    """Quantizes in place with torchao; returns one coverage row per linear
-    and embedding. With `--qembedding 8w`, an LM head tied to the embedding
-    shares the embedding's int8 per-row table whatever `--qlinear` asks for
-    (its rows are the output channels, so one stored matrix serves both; a
-    4-bit head would need a second copy). Other tied weights are skipped,
-    since quantizing one would untie them and store both."""
-    from torchao.quantization import quantize_
+class PackedEmbedding(nn.Module):
+    """An embedding over packed codes: only the looked-up rows are unpacked.
+    Keeps a scaled embedding's `embed_scale` (Gemma's)."""
 
+    def __init__(self, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+                 num_embeddings: int, dtype: torch.dtype, embed_scale: Any = None):
+        super().__init__()
+        self.register_buffer("words", words)
+        self.register_buffer("scale", scale)
+        self.register_buffer("offset", offset)
+        self.bits, self.num_embeddings, self.embedding_dim, self.dtype = bits, num_embeddings, words.shape[1], dtype
+        self.embed_scale = embed_scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        values = dequantize_rows(self.words, self.scale, self.offset, self.bits, ids, self.dtype)
+        if self.embed_scale is not None:
+            values = values * torch.as_tensor(self.embed_scale).to(self.dtype)
+        return values
+
+
+class Codes:
+    """Codes [N, K] (uint8, each < 2**bits) with a scale and an offset per
+    group [N, K / group]: the form every source reaches before packing."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, source: str):
+        self.codes, self.scale, self.offset, self.bits, self.source = codes, scale, offset, bits, source
+
+    @property
+    def group(self) -> int:
+        return self.codes.shape[1] // self.scale.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        grouped = self.codes.float().view(n, -1, self.group)
+        return (grouped * self.scale.float()[..., None] + self.offset.float()[..., None]).view(n, k)
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """(words, scale, offset, lane bits): 4-bit codes two a byte, wider
+        ones a byte each."""
+        bits = 4 if self.bits <= 4 else 8
+        return pack(self.codes, bits), pad_rows(_compact(self.scale), bits), pad_rows(_compact(self.offset), bits), bits
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """fp16 when that holds every value exactly, else fp32."""
+    t = t.float()
+    half = t.half()
+    return half if torch.equal(half.float(), t) else t
+
+
+def quantize_weight(weight: torch.Tensor, bits: int, group: int, algorithm: str = "minmax") -> Codes:
+    """Codes for a float weight [N, K]: a scale and an offset per group
+    (group 0: per row) from its range or HQQ's search; per-group values are
+    rounded to fp16 first and the codes chosen against what is stored."""
+    w = weight.detach().float()
+    n, k = w.shape
+    size = group or k
+    grouped = w.reshape(n, k // size, size)
+    top = (1 << bits) - 1
+    if algorithm == "hqq":
+        from torchao.quantization.quant_primitives import _choose_qparams_and_quantize_affine_hqq
+
+        _, inverse, zero, _ = _choose_qparams_and_quantize_affine_hqq(
+            w, nbits=bits, group_size=size, compute_dtype=torch.float32, device="cpu", raw_output=True
+        )
+        scale = inverse.reshape(n, k // size)
+        offset = -zero.reshape(n, k // size) * scale
+    else:
+        low, high = grouped.amin(-1), grouped.amax(-1)
+        scale, offset = (high - low) / top, low
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    if group:
+        scale, offset = scale.half().float(), offset.half().float()
+    codes = torch.round((grouped - offset[..., None]) / scale[..., None]).clamp(0, top)
+    return Codes(codes.to(torch.uint8).view(n, k), scale, offset, bits, str(weight.dtype).removeprefix("torch."))
+
+
+def quantize_model(
+    model: nn.Module, qlinear: str, group_size: int, qembedding: str, *,
+    algorithm: str = "minmax", keep_8w: tuple[str, ...] = (), gguf: str | None = None, tokenizer: Any = None,
+    progress: Callable[[str], None] = lambda message: None,
+) -> list[dict[str, Any]]:
+    """Quantizes in place; returns one coverage row per linear and
+    embedding. A tied LM head shares the embedding's codes when both are
+    quantized (one stored copy); other tied weights are skipped, since
+    quantizing one would untie them and store both."""
+    if qlinear == "8da4w":
+        return _torchao_8da4w(model, group_size, qembedding)
     modules = {fqn: m for fqn, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
     owners: dict[int, list[str]] = {}
     for fqn, module in modules.items():
         owners.setdefault(id(module.weight), []).append(fqn)
-    rows, linears, embeddings, shared = [], set(), set(), {}
+    sources = _gguf_sources(gguf, model) if qlinear == "gguf" else None
+    sensitive = _sensitive(model, modules, keep_8w, group_size, algorithm, tokenizer, progress) if qlinear == "4w" else set()
+    rows, done = [], {}
     for fqn, module in modules.items():
         kind = "linear" if isinstance(module, nn.Linear) else "embedding"
-        scheme = qlinear if kind == "linear" else qembedding
-        row = {"module": fqn, "kind": kind, "shape": list(module.weight.shape), "scheme": None, "skipped": None}
+        row: dict[str, Any] = {"module": fqn, "kind": kind, "shape": list(module.weight.shape), "scheme": None, "skipped": None}
         tied = [o for o in owners[id(module.weight)] if o != fqn]
-        shares = _shared_tie([fqn, *tied], modules) if qlinear and qembedding == "8w" else None
-        group = (group_size or (DEFAULT_GROUP_4BIT if scheme in ("4w", "8da4w") else 0)) if kind == "linear" else 0
-        if not scheme:
-            row["skipped"] = f"no --q{kind} scheme asked for"
-        elif tied and not shares:
-            row["skipped"] = f"tied with {tied[0]}.weight (quantizing one would untie and store it twice)"
-        elif kind == "linear" and shares:
-            row.update(scheme="8w", granularity="per row", shared_with=shares)
-            shared[fqn] = shares
-        elif group and module.weight.shape[1] % group:
-            row["skipped"] = f"width {module.weight.shape[1]} is not divisible by the group size {group}"
+        shares = _shared_tie([fqn, *tied], modules)
+        if sources is not None:
+            row["source"] = sources[1].get(f"{fqn}.weight", sources[1].get(f"{tied[0]}.weight") if tied else None)
+        if tied and not shares:
+            codes, why = None, f"tied with {tied[0]}.weight (quantizing one would untie and store it twice)"
         else:
-            row.update(scheme=scheme, granularity=f"per group of {group}" if group else "per row")
-            (linears if kind == "linear" else embeddings).add(fqn)
+            codes, why = _codes_for(fqn, module, kind, qlinear, qembedding, group_size, algorithm, keep_8w, sensitive, sources, shares, done)
+        if codes is None:
+            row["skipped"] = why
+            rows.append(row)
+            continue
+        row.update(scheme=f"{codes.bits}w" if qlinear != "gguf" else "gguf", bits=codes.bits,
+                   granularity="per row" if codes.group == module.weight.shape[1] else f"per group of {codes.group}")
+        if shares and shares in done and done[shares] is codes:
+            row["shared_with"] = shares
+        done[fqn] = codes
         rows.append(row)
-    if linears:
-        quantize_(model, _linear_config(qlinear, group_size), filter_fn=lambda m, fqn: fqn in linears)
-    if embeddings:
-        quantize_(model, _embedding_config(), filter_fn=lambda m, fqn: fqn in embeddings)
-    for fqn, embedding in shared.items():
-        modules[fqn].weight = modules[embedding].weight
+    _install(model, modules, done, rows)
     return rows
+
+
+def _codes_for(fqn, module, kind, qlinear, qembedding, group_size, algorithm, keep_8w, sensitive, sources, shares, done):
+    """(codes, None) or (None, why not)."""
+    weight = module.weight
+    if sources is not None:
+        name = f"{fqn}.weight"
+        if shares and shares in done:
+            return done[shares], None
+        codes = sources[0].get(name) or (sources[0].get(f"{shares}.weight") if shares else None)
+        if codes is None:
+            return None, f"stored as {sources[1].get(name, 'float')} in the GGUF (kept as float)"
+        return codes, None
+    scheme = qlinear if kind == "linear" else qembedding
+    if kind == "linear" and shares:
+        if qembedding and shares in done:
+            return done[shares], None
+        return None, f"tied with {shares}.weight, which is not quantized (add --qembedding 8w to share its codes)"
+    if not scheme:
+        return None, f"no --q{kind} scheme asked for"
+    bits = 8 if scheme == "8w" or fqn in sensitive or _matches(fqn, keep_8w) else 4
+    group = (group_size or (DEFAULT_GROUP_4BIT if bits == 4 else 0)) if kind == "linear" else 0
+    if group and weight.shape[1] % group:
+        return None, f"width {weight.shape[1]} is not divisible by the group size {group}"
+    return quantize_weight(weight, bits, group, algorithm if kind == "linear" else "minmax"), None
+
+
+def _matches(fqn: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(fqn, p) for p in patterns if not p.startswith("sensitive:"))
+
+
+def _install(model: nn.Module, modules: dict[str, nn.Module], done: dict[str, Codes], rows: list[dict]) -> None:
+    """Swaps each quantized module for its packed form; modules sharing one
+    Codes share one set of stored tensors."""
+    packed: dict[int, tuple] = {}
+    by_module = {row["module"]: row for row in rows}
+    for fqn, codes in done.items():
+        module = modules[fqn]
+        if id(codes) not in packed:
+            packed[id(codes)] = codes.packed()
+        words, scale, offset, bits = packed[id(codes)]
+        n = module.weight.shape[0]
+        if isinstance(module, nn.Linear):
+            bias = module.bias.detach() if module.bias is not None else None
+            new: nn.Module = PackedLinear(words, scale, offset, bits, n, bias)
+        else:
+            new = PackedEmbedding(words, scale, offset, bits, n, module.weight.dtype, getattr(module, "embed_scale", None))
+        parent, _, name = fqn.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, name, new)
+        by_module[fqn]["stored"] = {"words": words, "scale": scale, "offset": offset}
 
 
 def _shared_tie(group: list[str], modules: dict[str, nn.Module]) -> str | None:
@@ -95,13 +242,97 @@ def _shared_tie(group: list[str], modules: dict[str, nn.Module]) -> str | None:
     return embeddings[0] if len(embeddings) == 1 else None
 
 
+def _gguf_sources(gguf: str | None, model: nn.Module) -> tuple[dict[str, Codes], dict[str, str]]:
+    """Codes by weight name for every quantized tensor of the GGUF source,
+    and every tensor's GGUF type by weight name."""
+    if not gguf:
+        raise SpecError("--qlinear gguf keeps a GGUF source's own quantization: the model must be a .gguf file "
+                        "(or the built-in smollm2-135m)")
+    from kvexport.exporter.gguf_codes import read_gguf_codes
+
+    found, types = read_gguf_codes(gguf, model.config)
+    codes = {name: Codes(c.codes, c.scale, c.offset, c.bits, c.source_type) for name, c in found.items()}
+    return codes, types
+
+
+@torch.no_grad()
+def _sensitive(model, modules, keep_8w, group_size, algorithm, tokenizer, progress) -> set[str]:
+    """With `sensitive:FRACTION` among the patterns: the linears whose 4-bit
+    weight changes their output on a calibration text the most, relative to
+    that output, a FRACTION of them by count."""
+    fractions = [p.removeprefix("sensitive:") for p in keep_8w if p.startswith("sensitive:")]
+    if not fractions:
+        return set()
+    try:
+        fraction = float(fractions[0])
+    except ValueError:
+        fraction = -1.0
+    if not 0 < fraction <= 1:
+        raise SpecError(f"--qlinear-keep-8w sensitive:FRACTION needs a fraction in (0, 1], got {fractions[0]!r}")
+    weights = [id(m.weight) for m in modules.values()]
+    linears = {fqn: m for fqn, m in modules.items() if isinstance(m, nn.Linear) and weights.count(id(m.weight)) == 1}
+    inputs: dict[str, torch.Tensor] = {}
+    hooks = [m.register_forward_pre_hook(lambda m, args, fqn=fqn: inputs.setdefault(fqn, args[0].reshape(-1, args[0].shape[-1])))
+             for fqn, m in linears.items()]
+    try:
+        ids = tokenizer(CALIBRATION_TEXT)["input_ids"] if tokenizer is not None else None
+    except Exception:
+        ids = None
+    if ids is None:  # no tokenizer: a fixed token sequence still exercises every layer
+        vocab = model.config.vocab_size
+        ids = torch.randint(0, vocab, (96,), generator=torch.Generator().manual_seed(0)).tolist()
+    progress(f"measuring the sensitivity of {len(linears)} linears on {len(ids)} calibration tokens")
+    try:
+        model(input_ids=torch.tensor([ids]), use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    errors = {}
+    for fqn, module in linears.items():
+        if fqn not in inputs or _matches(fqn, keep_8w):
+            continue
+        group = group_size or DEFAULT_GROUP_4BIT
+        if module.weight.shape[1] % group:
+            continue
+        x = inputs[fqn].float()
+        exact = x @ module.weight.float().T
+        approx = x @ quantize_weight(module.weight, 4, group, algorithm).dequantize().T
+        errors[fqn] = float((approx - exact).norm() / exact.norm().clamp_min(1e-12))
+    ranked = sorted(errors, key=errors.get, reverse=True)
+    return set(ranked[: round(fraction * len(ranked))])
+
+
+def _torchao_8da4w(model: nn.Module, group_size: int, qembedding: str) -> list[dict[str, Any]]:
+    """torchao's int8 dynamic activations with int4 weights per group (its
+    arithmetic is traced through its unwrapped tensors); embeddings as 8w."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+    from torchao.quantization.quant_primitives import MappingType
+
+    group = group_size or DEFAULT_GROUP_4BIT
+    embedding_rows = quantize_model(model, "", 0, qembedding) if qembedding else []
+    rows = []
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            row = {"module": fqn, "kind": "linear", "shape": list(module.weight.shape), "scheme": None, "skipped": None}
+            if module.weight.shape[1] % group:
+                row["skipped"] = f"width {module.weight.shape[1]} is not divisible by the group size {group}"
+            else:
+                row.update(scheme="8da4w", bits=4, granularity=f"per group of {group}")
+            rows.append(row)
+    chosen = {r["module"] for r in rows if r["scheme"]}
+    config = Int8DynamicActivationIntxWeightConfig(
+        weight_dtype=torch.int4, weight_granularity=PerGroup(group), weight_mapping_type=MappingType.ASYMMETRIC
+    )
+    quantize_(model, config, filter_fn=lambda m, fqn: fqn in chosen)
+    return rows + [r for r in embedding_rows if r["kind"] == "embedding" or r["scheme"]]
+
+
 def plain_weights(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """Replaces every quantized (torchao tensor subclass) weight with its
-    plain inner tensors, held by torchao's unwrapping parametrization and
-    turned back into the subclass when the module runs, so tracing records
-    torchao's own arithmetic on plain tensors. Returns, per quantized
-    weight, its class and its inner tensors by role (qdata, scale,
-    zero_point, ...)."""
+    """Replaces every torchao (tensor subclass) weight with its plain inner
+    tensors, held by torchao's unwrapping parametrization, so tracing
+    records torchao's own arithmetic on plain tensors. Returns, per
+    quantized weight, its inner tensors by role (qdata, scale, ...)."""
     from torchao.utils import unwrap_tensor_subclass
 
     layout: dict[str, dict[str, Any]] = {}
@@ -109,8 +340,9 @@ def plain_weights(model: nn.Module) -> dict[str, dict[str, Any]]:
         weight = module._parameters.get("weight")
         if weight is not None and hasattr(weight, "__tensor_flatten__") and type(weight) is not nn.Parameter:
             names, _ = weight.__tensor_flatten__()
-            layout[f"{fqn}.weight"] = {"class": type(weight).__name__} | {n: getattr(weight, n) for n in names}
-    unwrap_tensor_subclass(model)
+            layout[fqn] = {n: getattr(weight, n) for n in names}
+    if layout:
+        unwrap_tensor_subclass(model)
     return layout
 
 
@@ -121,11 +353,11 @@ def coverage_summary(rows: list[dict[str, Any]]) -> list[str]:
         done = [r for r in of_kind if r["scheme"]]
         if not of_kind:
             continue
-        schemes = sorted({r["scheme"] for r in done})
+        schemes = sorted({f"{r['scheme']}" + (f" from {r['source']}" if r.get("source") else "") for r in done})
         lines.append(f"quantized {len(done)} of {len(of_kind)} {kind}s" + (f" ({', '.join(schemes)})" if schemes else ""))
         for r in of_kind:
             if r["skipped"] and not r["skipped"].startswith("no --q"):
                 lines.append(f"  skipped {r['module']}: {r['skipped']}")
             if r.get("shared_with"):
-                lines.append(f"  {r['module']} shares the int8 per-row weight of {r['shared_with']} (tied)")
+                lines.append(f"  {r['module']} shares the codes of {r['shared_with']} (tied)")
     return lines

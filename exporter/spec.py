@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvexport.exporter.backends import get_backend
-from kvexport.exporter.quantize import QEMBEDDING, QLINEAR
+from kvexport.exporter.quantize import ALGORITHMS, QEMBEDDING, QLINEAR
 from kvexport.contract.errors import SpecError
 from kvexport.contract.manifest import CONTRACTS, DEVICES, DTYPES, INGRAPH_KV, OFFGRAPH_KV
 
@@ -32,8 +32,10 @@ class ExportSpec:
     max_cells: int = 65536
     max_context_len: int = 0  # 0: the model's native context
     dtype: str = "fp32"
-    qlinear: str = ""  # 8w | 4w | 8da4w
+    qlinear: str = ""  # 8w | 4w | gguf | 8da4w
     qlinear_group_size: int = 0  # 0: 32 for the 4-bit schemes, per channel for 8w
+    qlinear_algorithm: str = "minmax"  # minmax | hqq: how a group's scale and offset are chosen
+    qlinear_keep_8w: str = ""  # 4w: comma-separated module patterns (or sensitive:FRACTION) kept at 8 bits
     qembedding: str = ""  # 8w
     min_prefill_chunk: int = 1
     backend: str = "portable"
@@ -90,6 +92,13 @@ class ExportSpec:
             raise SpecError(f"--qlinear must be one of {', '.join(QLINEAR)}, got {self.qlinear!r}")
         if self.qembedding not in ("",) + QEMBEDDING:
             raise SpecError(f"--qembedding must be {', '.join(QEMBEDDING)}, got {self.qembedding!r}")
+        if self.qlinear_algorithm not in ALGORITHMS:
+            raise SpecError(f"--qlinear-algorithm must be one of {', '.join(ALGORITHMS)}, got {self.qlinear_algorithm!r}")
+        if self.qlinear_keep_8w and self.qlinear != "4w":
+            raise SpecError("--qlinear-keep-8w keeps some linears at 8 bits in a --qlinear 4w export; add --qlinear 4w")
+        if self.qlinear == "gguf" and (self.qembedding or self.qlinear_group_size):
+            raise SpecError("--qlinear gguf keeps the GGUF's own quantization of every tensor, embeddings and groups "
+                            "included: drop --qembedding and --qlinear-group-size")
         group = self.qlinear_group_size
         if not _is_int(group) or group < 0 or (group and group & (group - 1)):
             raise SpecError(f"--qlinear-group-size must be a positive power of two, got {group!r}")

@@ -11,6 +11,7 @@ import torch
 
 from kvexport.partitioners.portable import PortablePartitioner
 from kvexport.passes.base import Pass
+from kvexport.passes.packed_weights import FusedPackedLinearPass
 from kvexport.passes.quantized_weights import FusedDequantizeMatmulPass
 
 
@@ -40,6 +41,9 @@ class AotiPartitioner(PortablePartitioner):
 
     def __init__(self, device: str = "cpu"):
         self.device = device
+
+    def packed_kernel_passes(self) -> list[Pass]:
+        return [FusedPackedLinearPass()] if self.device == "cpu" else []
 
     def kernel_choice_passes(self) -> list[Pass]:
         fused = [FusedDequantizeMatmulPass()] if self.device == "cpu" else []

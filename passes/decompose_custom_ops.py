@@ -1,6 +1,6 @@
 """DecomposeCustomOpsPass: replaces calls to custom operators that have a
-decomposition (torchao's quantize/dequantize/choose_qparams, registered as
-CompositeImplicitAutograd) with the ATen operations they decompose into.
+decomposition (torchao's quantize/dequantize/choose_qparams and our own
+dequantize_packed, registered as CompositeImplicitAutograd) with the ATen operations they decompose into.
 
 Export keeps such operators as single nodes; inlining them makes a package
 need nothing but torch to run (the runtime never imports torchao), lets the
@@ -18,7 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from kvexport.passes.base import SOURCE_META, Pass
 
-NAMESPACES = ("torchao",)
+NAMESPACES = ("torchao", "kvexport")
 
 
 def _is_custom(node: torch.fx.Node) -> bool:

@@ -1,11 +1,6 @@
-"""Passes for quantized weights, which reach the graph as their stored
-integer tensors plus the arithmetic that dequantizes them (torchao's, see
-exporter/quantize.py).
-
-GatherRowsBeforeDequantizePass (every backend): an embedding lookup over a
-weight dequantized per row dequantizes the whole table on every call; it
-gathers the selected rows of the stored tensors first and dequantizes those
-only. Runs before DecomposeCustomOpsPass, on torchao's dequantize node.
+"""Passes for weights that reach the graph as stored integer tensors plus
+the arithmetic that dequantizes them (torchao's 8da4w, see
+exporter/quantize.py; packed weights have their own, passes/packed_weights.py).
 
 FusedDequantizeMatmulPass (AOTInductor on the CPU): a product of a few rows
 with a weight dequantized at run time is written as a multiply and a sum
@@ -31,47 +26,6 @@ from kvexport.passes.check_step_width import USER_INPUTS_META
 
 aten = torch.ops.aten
 STORED_INTEGERS = (torch.int8, torch.uint8)
-
-
-def _is_dequantize(node: object) -> bool:
-    target = getattr(node, "target", None)
-    return getattr(target, "namespace", None) == "torchao" and target.__name__.startswith("dequantize_affine")
-
-
-def _per_row(dequantize: torch.fx.Node) -> bool:
-    """Whether each row of the dequantized table depends on that row of
-    the stored tensors only (blocks one row high)."""
-    block = list(arguments(dequantize)["block_size"])
-    return len(block) == 2 and block[0] == 1
-
-
-class GatherRowsBeforeDequantizePass(RewritePass):
-    name = "gather_rows_before_dequantize"
-    leftover = "lookups that dequantize the whole table left"
-
-    def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
-        return [
-            n for n in graph_module.graph.nodes
-            if n.target is aten.embedding.default and _is_dequantize(n.args[0]) and _per_row(n.args[0])
-        ]
-
-    def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
-        dequantize, indices = node.args[0], node.args[1]
-        given = arguments(dequantize)
-        flat = emit(graph, node, aten.reshape.default, indices, [-1])
-        for name in ("input", "scale", "zero_point"):  # 2-D tables, a row per token
-            if given.get(name) is not None:
-                given[name] = emit(graph, node, aten.embedding.default, given[name], flat)
-        values = emit(graph, node, dequantize.target, **given)
-        width = dequantize.meta["val"].shape[-1]
-        return emit(graph, node, aten.reshape.default, values, [*emit_shape(graph, node, indices), width])
-
-    def call(self, graph_module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, bool]:
-        graph_module, modified = super().call(graph_module)
-        for node in list(graph_module.graph.nodes):  # the whole-table dequantizations no lookup uses now
-            if _is_dequantize(node) and not node.users:
-                graph_module.graph.erase_node(node)
-        return graph_module, modified
 
 
 def dequantized_weights(graph_module: torch.fx.GraphModule) -> set[torch.fx.Node]:

@@ -1,4 +1,4 @@
-"""torchao weight quantization on both backends: tokens equal the same
+"""Weight quantization on both backends: tokens equal the same
 model quantized eagerly, batching holds, the coverage report names every
 linear and embedding, weights are stored as plain tensors and a package runs
 without torchao or pickle."""
@@ -80,7 +80,7 @@ def test_tied_weights_are_shared_only_as_one_int8_table():
     assert alone["model.embed_tokens"]["skipped"].startswith("no --qembedding")
     for qlinear in ("8w", "4w"):
         both, model = rows(qlinear, "8w")
-        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert model.lm_head.words is model.model.embed_tokens.words  # one set of codes
         assert both["lm_head"]["scheme"] == "8w" and both["lm_head"]["shared_with"] == "model.embed_tokens"
         assert both["lm_head"]["granularity"] == both["model.embed_tokens"]["granularity"] == "per row"
         assert {r["scheme"] for m, r in both.items() if m != "lm_head" and r["kind"] == "linear"} == {qlinear}
@@ -100,8 +100,8 @@ def test_quantized_weights_are_stored_plain_once(quantized, tiny_package):
     with safe_open(str(path / "weights.safetensors"), "pt") as f:
         stored = set(f.keys())
         for row in rows.values():
-            assert f.get_tensor(row["stored"]["qdata"]).dtype == torch.int8
-            assert f.get_tensor(row["stored"]["scale"]).dtype == torch.float32
+            assert f.get_tensor(row["stored"]["words"]).dtype == torch.int32  # codes packed 4 to a word
+            assert f.get_tensor(row["stored"]["scale"]).dtype in (torch.float16, torch.float32)
     assert rows["lm_head"]["stored"] == rows["model.embed_tokens"]["stored"]  # the tied head is the table
     assert not any(name.startswith("lm_head.") for name in stored)  # stored once, the head's names are aliases
     assert {a for a in manifest["weights"]["aliases"] if a.startswith("lm_head.")}

@@ -1,0 +1,176 @@
+"""Packed integer weights: the stored format, the operator that says what
+it means, and the form AOTInductor compiles for a product with a few rows.
+
+Format (row lanes). Codes of `bits` bits (4 or 8) sit `lanes = 32 // bits`
+to an int32 word: lane b of word [r, k] holds code [b * R + r, k] of the
+[N, K] code matrix, where R = ceil(N / lanes) is the number of word rows
+(rows past N are zero padding). Values are
+
+    w[n, k] = scale[n, k // G] * code[n, k] + offset[n, k // G]
+
+with G = K / scale.shape[1] (one group per row is a per-row scale); scale
+and offset have lanes * R rows. 4-bit codes take half the bytes of 8-bit
+ones, and every method reads them packed.
+
+Why lanes across rows: a product reads whole vectors of words along K, and
+unpacking a lane (a shift and a mask) is elementwise, so every load in the
+compiled loop is a full vector on AVX2 and AVX-512 alike (a byte per value
+makes inductor load 8 or 16 bytes at a time, a partial load filled element by
+element on AVX2). Lanes across columns would tie the layout to K: a group
+must not straddle two lanes, and K = 576 has no eighth that is a multiple of
+32. Across rows, groups run along K untouched, whatever K is.
+
+`kvexport::dequantize_packed` is the weight as a float tensor. Export keeps
+it as one node (it is CompositeImplicitAutograd, like torchao's ops), so the
+backend picks the kernel: FusedPackedLinearPass writes a product with a few
+rows as one reduction per lane that loads each word once for every lane and
+every row; DecomposeCustomOpsPass inlines what is left (prefill products,
+the portable backend) as plain ATen shifts, masks and arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from kvexport.passes.base import RewritePass, arguments, emit, static_rows
+
+aten = torch.ops.aten
+BITS = (4, 8)
+
+_LIB = torch.library.Library("kvexport", "FRAGMENT")
+_LIB.define("dequantize_packed(Tensor words, Tensor scale, Tensor offset, int bits, int rows, ScalarType dtype) -> Tensor")
+
+
+def lanes_of(bits: int) -> int:
+    return 32 // bits
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [N, K] (each < 2**bits) as int32 words [ceil(N / lanes), K]."""
+    lanes, (n, k) = lanes_of(bits), codes.shape
+    rows = -(-n // lanes)
+    padded = torch.zeros(lanes * rows, k, dtype=torch.int64)
+    padded[:n] = codes.to(torch.int64)
+    words = torch.zeros(rows, k, dtype=torch.int64)
+    for b, lane in enumerate(padded.view(lanes, rows, k)):
+        words |= lane << (bits * b)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def lane(words: torch.Tensor, bits: int, b: int) -> torch.Tensor:
+    """The codes lane `b` holds, as int32 [R, K]: rows b*R .. b*R + R - 1."""
+    return torch.bitwise_and(torch.bitwise_right_shift(words, bits * b), (1 << bits) - 1)
+
+
+def unpack(words: torch.Tensor, bits: int, rows: int) -> torch.Tensor:
+    """int32 codes [rows, K]: the inverse of `pack`."""
+    return torch.cat([lane(words, bits, b) for b in range(lanes_of(bits))])[:rows]
+
+
+def pad_rows(t: torch.Tensor, bits: int) -> torch.Tensor:
+    """scale or offset [N, groups] padded with zero rows to lanes * R rows."""
+    lanes = lanes_of(bits)
+    extra = -t.shape[0] % lanes
+    return torch.cat([t, t.new_zeros(extra, t.shape[1])]) if extra else t
+
+
+def _dequantize_packed(words, scale, offset, bits: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    codes = unpack(words, bits, rows)
+    width, groups = codes.shape[1], scale.shape[1]
+    grouped = codes.to(dtype).reshape(rows, groups, width // groups)
+    values = grouped * scale[:rows].to(dtype).unsqueeze(-1) + offset[:rows].to(dtype).unsqueeze(-1)
+    return values.reshape(rows, width)
+
+
+_LIB.impl("dequantize_packed", _dequantize_packed, "CompositeImplicitAutograd")
+
+
+def dequantize_packed(words, scale, offset, bits: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.ops.kvexport.dequantize_packed(words, scale, offset, bits, rows, dtype)
+
+
+def dequantize_rows(words, scale, offset, bits: int, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `index` (any shape) of the weight, [*index.shape, K], reading only
+    those rows' words: what an embedding lookup needs. The index only ever
+    feeds index ops (an embedding lookup, a gather), so the program's data
+    flow still reads as a lookup (contract/step_width.py)."""
+    flat = index.reshape(-1)
+    per_word = words.shape[0]
+    word = torch.nn.functional.embedding(torch.remainder(flat, per_word), words)  # [T, K]
+    lanes = torch.stack([lane(word, bits, b) for b in range(lanes_of(bits))], 1)  # [T, lanes, K]
+    which = torch.div(flat, per_word, rounding_mode="floor").reshape(-1, 1, 1).expand(-1, 1, word.shape[1])
+    codes = torch.gather(lanes, 1, which).squeeze(1)
+    width, groups = codes.shape[1], scale.shape[1]
+    grouped = codes.to(dtype).reshape(-1, groups, width // groups)
+    values = grouped * torch.nn.functional.embedding(flat, scale).to(dtype).unsqueeze(-1)
+    values = values + torch.nn.functional.embedding(flat, offset).to(dtype).unsqueeze(-1)
+    return values.reshape(*index.shape, width)
+
+
+def _is_packed(node: object) -> bool:
+    return getattr(node, "target", None) is torch.ops.kvexport.dequantize_packed.default
+
+
+class FusedPackedLinearPass(RewritePass):
+    """linear(x, dequantize_packed(...)) with a static count of rows up to
+    `max_rows`, as one reduction over K per lane and per row: the compiler
+    fuses them into one loop that loads a vector of words once, unpacks each
+    lane with a shift and a mask, and multiplies it with every row's
+    activations, so neither the float weight nor the unpacked codes are
+    ever written. A per-group scale multiplies inside the reduction (it is
+    constant over a group's inner loop); the offsets, a few per row, are a
+    small reduction over the rows' group sums. Rows are pinned to memory first
+    (see FusedDequantizeMatmulPass)."""
+
+    name = "fused_packed_linear"
+    leftover = "packed products with a few rows left"
+
+    def __init__(self, max_rows: int = 8):
+        import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
+
+        self.max_rows = max_rows
+
+    def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+        return [
+            n for n in graph_module.graph.nodes
+            if n.target is aten.linear.default and _is_packed(n.args[1])
+            and (static_rows(n.args[0]) or 0) in range(1, self.max_rows + 1)
+        ]
+
+    def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+        x, packed = node.args[0], node.args[1]
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        given = arguments(packed)
+        words, scale, offset, bits, n_out, dtype = (
+            given[k] for k in ("words", "scale", "offset", "bits", "rows", "dtype")
+        )
+        lead, width = list(x.meta["val"].shape[:-1]), x.meta["val"].shape[-1]
+        rows, groups = static_rows(x), scale.meta["val"].shape[1]
+        per_word, size = words.meta["val"].shape[0], width // groups
+
+        def op(target, *args, **kwargs):
+            return emit(graph, node, target, *args, **kwargs)
+
+        def as_float(t):
+            return t if t.meta["val"].dtype == dtype else op(aten._to_copy.default, t, dtype=dtype)
+
+        pinned = op(aten.reshape.default, x, [rows, width])
+        pinned = op(torch.ops.prims.inductor_force_stride_order.default, pinned, [width, 1])
+        x_rows = [op(aten.reshape.default, op(aten.select.int, pinned, 0, m), [1, groups, size]) for m in range(rows)]
+        scales = op(aten.reshape.default, as_float(scale), [lanes_of(bits), per_word, groups, 1])
+        by_lane = []
+        for b in range(lanes_of(bits)):
+            shifted = op(aten.bitwise_right_shift.Tensor_Scalar, words, bits * b)
+            codes = op(aten.reshape.default, op(aten.bitwise_and.Scalar, shifted, (1 << bits) - 1), [per_word, groups, size])
+            weight = op(aten.mul.Tensor, as_float(codes), op(aten.select.int, scales, 0, b))
+            per_row = [op(aten.sum.dim_IntList, op(aten.mul.Tensor, xr, weight), [-1, -2]) for xr in x_rows]
+            by_lane.append(op(aten.stack.default, per_row))
+        out = op(aten.cat.default, by_lane, 1)
+        sums = op(aten.sum.dim_IntList, op(aten.reshape.default, pinned, [rows, groups, size]), [-1])
+        offsets = op(aten.mul.Tensor, op(aten.unsqueeze.default, sums, 1), as_float(offset))  # [rows, lanes * R, groups]
+        out = op(aten.add.Tensor, out, op(aten.sum.dim_IntList, offsets, [-1]))
+        out = op(aten.slice.Tensor, out, 1, 0, n_out)
+        if bias is not None:
+            out = op(aten.add.Tensor, out, bias)
+        return op(aten.reshape.default, out, [*lead, n_out])
