@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import torch
@@ -35,3 +36,12 @@ def best_of(fn, repeats: int) -> float:
 
 def emit(result: dict) -> None:
     print(json.dumps(result, indent=1, sort_keys=True))
+
+
+def cpu_model() -> str:
+    """The CPU's model name and its widest vector extension (lscpu's facts)."""
+    info = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "unknown")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    widest = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "sse/other"
+    return f"{name} ({widest})"

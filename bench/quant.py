@@ -1,7 +1,10 @@
 """Quantized packages against fp32, in one run: size, teacher-forced top-1
-agreement with the fp32 model over a fixed 256-token text, and greedy decode
+agreement with the fp32 model over a fixed 256-token text, greedy decode
 tokens/s at batch 1 and over 8 sessions as ratios to HF `generate` fp32 at
-batch 1.
+batch 1, and the rate at which each decode step reads the package's weights
+(weight bytes / step time, GB/s), with the instruction set its methods were
+compiled for. To see AVX2 code on an AVX-512 machine, export and run with
+ATEN_CPU_CAPABILITY=avx2 (inductor and ATen both read it).
 
     python bench/quant.py --fp32 PKG --quantized 8w=PKG --quantized 4w-aoti=PKG ...
 
@@ -17,11 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
 
-from common import emit, weight_read_gbps
+from common import cpu_model, emit, weight_read_gbps
 from decode import decode_seconds
 from kvexport.exporter.models import load_model
 from kvexport.runtime.verify import method_logits
@@ -77,7 +81,7 @@ def main() -> None:
     hf_s = decode_seconds(hf_run, args.new_tokens, 2)
     hf_tps = (args.new_tokens - 1) / hf_s
     read_gbps = weight_read_gbps()["mm_2_columns"]
-    result = {"hf_generate_fp32_batch1_tokens_per_s": round(hf_tps, 2), "read_gbps": round(read_gbps, 1), "schemes": {}}
+    result = {"cpu": cpu_model(), "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "default"), "hf_generate_fp32_batch1_tokens_per_s": round(hf_tps, 2), "read_gbps": round(read_gbps, 1), "schemes": {}}
     fp32_bytes: dict[str, int] = {}
     for item in ["fp32=" + str(args.fp32)] + args.quantized:
         scheme, path = item.split("=", 1)
@@ -89,7 +93,10 @@ def main() -> None:
         if scheme.startswith("fp32"):
             fp32_bytes.setdefault(backend, package_bytes)
         agree = float((teacher_forced_top1(runtime, tokens) == reference).float().mean())
-        row = {"backend": backend, "top1_agreement_with_fp32": round(agree, 4)}
+        row = {"backend": backend, "top1_agreement_with_fp32": round(agree, 4), "weights_mb": round(weights_bytes / 1e6, 1)}
+        isa = manifest["backend"].get("options", manifest["backend"]).get("target", {}).get("cpu_isa")
+        if isa:
+            row["compiled_for"] = isa
         if backend in fp32_bytes:
             row["package_over_fp32_package"] = round(package_bytes / fp32_bytes[backend], 3)
         for batch in (1, 8):
@@ -101,6 +108,7 @@ def main() -> None:
             tps = batch * (args.new_tokens - 1) / seconds
             row[f"batch{batch}_tokens_per_s"] = round(tps, 2)
             row[f"batch{batch}_over_hf_fp32_batch1"] = round(tps / hf_tps, 3)
+            row[f"batch{batch}_weight_read_gbps"] = round(weights_bytes * tps / batch / 1e9, 1)
             if batch == 1:
                 floor_ms = weights_bytes / (read_gbps * 1e9) * 1000
                 row["batch1_step_over_floor"] = round(1000 / tps / floor_ms, 3)

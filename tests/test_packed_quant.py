@@ -167,3 +167,26 @@ def test_a_gguf_source_keeps_its_own_codes(tmp_path, monkeypatch):
     prompts = [[1, 5, 9, 3], [7, 7, 2, 30, 11, 4]]
     runtime = load(package)
     assert generate(runtime, prompts, 12) == [hf_greedy(hf, p, 12) for p in prompts]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx2", ""])
+def test_compiled_products_load_whole_vectors_of_words(isa):
+    """On AVX2 (forced with ATEN_CPU_CAPABILITY) and the machine's own ISA,
+    the fused 4-bit product loads its codes as whole int32 vectors, never
+    byte by byte (bench/kernel_code.py prints the same)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": isa, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}
+    script = Path(__file__).parents[1] / "bench" / "kernel_code.py"
+    done = subprocess.run([sys.executable, str(script), "--bits", "4"], env=env, capture_output=True, text=True, check=True)
+    report = json.loads(done.stdout[done.stdout.index("{"):])
+    words = [line for line in report["loads"] if line.startswith("int32_t")]
+    if not report["isa"].startswith(("avx2", "avx512")):
+        pytest.skip(f"inductor vectorizes for {report['isa']} here")
+    width = 8 if report["isa"].startswith("avx2") else 16
+    assert words and all(int(line.split(": ")[1]) % width == 0 for line in words), report
+    assert not report["byte_loads"], report
