@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from kvexport.exporter.quantize import PackedLinear, quantize_weight
+from kvexport.exporter.quantize import PackedLinear, packed, quantize_weight
 from kvexport.passes.base import run_passes
 from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
 from kvexport.passes.packed_weights import FusedPackedLinearPass
@@ -30,7 +30,7 @@ def kernel_loads(bits: int, group: int, rows: int, out: int = 256, width: int = 
     from torch._inductor.utils import run_and_get_code
 
     weight = torch.randn(out, width)
-    words, scale, offset, lane_bits = quantize_weight(weight, bits, group).packed()
+    words, scale, offset, lane_bits = packed(quantize_weight(weight, bits, group))
     module = PackedLinear(words, scale, offset, lane_bits, out).eval()
     x = torch.randn(rows, width)
     program = torch.export.export(module, (x,))

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvexport.contract.errors import ModelError, SpecError
+from kvexport.contract.errors import SpecError
+from kvexport.exporter.gguf_codes import GroupCodes, read_gguf_codes
 from kvexport.passes.packed_weights import dequantize_packed, dequantize_rows, pack, pad_rows
 
 QLINEAR = ("8w", "4w", "gguf", "8da4w")
@@ -84,27 +85,11 @@ class PackedEmbedding(nn.Module):
         return values
 
 
-class Codes:
-    """Codes [N, K] (uint8, each < 2**bits) with a scale and an offset per
-    group [N, K / group]: the form every source reaches before packing."""
-
-    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, source: str):
-        self.codes, self.scale, self.offset, self.bits, self.source = codes, scale, offset, bits, source
-
-    @property
-    def group(self) -> int:
-        return self.codes.shape[1] // self.scale.shape[1]
-
-    def dequantize(self) -> torch.Tensor:
-        n, k = self.codes.shape
-        grouped = self.codes.float().view(n, -1, self.group)
-        return (grouped * self.scale.float()[..., None] + self.offset.float()[..., None]).view(n, k)
-
-    def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-        """(words, scale, offset, lane bits): 4-bit codes two a byte, wider
-        ones a byte each."""
-        bits = 4 if self.bits <= 4 else 8
-        return pack(self.codes, bits), pad_rows(_compact(self.scale), bits), pad_rows(_compact(self.offset), bits), bits
+def packed(codes: GroupCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(words, scale, offset, lane bits) to store: 4-bit codes two a byte,
+    wider ones a byte each; scales and offsets in fp16 where that is exact."""
+    bits = 4 if codes.bits <= 4 else 8
+    return pack(codes.codes, bits), pad_rows(_compact(codes.scale), bits), pad_rows(_compact(codes.offset), bits), bits
 
 
 def _compact(t: torch.Tensor) -> torch.Tensor:
@@ -114,7 +99,7 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
     return half if torch.equal(half.float(), t) else t
 
 
-def quantize_weight(weight: torch.Tensor, bits: int, group: int, algorithm: str = "minmax") -> Codes:
+def quantize_weight(weight: torch.Tensor, bits: int, group: int, algorithm: str = "minmax") -> GroupCodes:
     """Codes for a float weight [N, K]: a scale and an offset per group
     (group 0: per row) from its range or HQQ's search; per-group values are
     rounded to fp16 first and the codes chosen against what is stored."""
@@ -138,7 +123,7 @@ def quantize_weight(weight: torch.Tensor, bits: int, group: int, algorithm: str 
     if group:
         scale, offset = scale.half().float(), offset.half().float()
     codes = torch.round((grouped - offset[..., None]) / scale[..., None]).clamp(0, top)
-    return Codes(codes.to(torch.uint8).view(n, k), scale, offset, bits, str(weight.dtype).removeprefix("torch."))
+    return GroupCodes(codes.to(torch.uint8).view(n, k), scale, offset, size, bits, str(weight.dtype).removeprefix("torch."))
 
 
 def quantize_model(
@@ -213,16 +198,16 @@ def _matches(fqn: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(fqn, p) for p in patterns if not p.startswith("sensitive:"))
 
 
-def _install(model: nn.Module, modules: dict[str, nn.Module], done: dict[str, Codes], rows: list[dict]) -> None:
+def _install(model: nn.Module, modules: dict[str, nn.Module], done: dict[str, GroupCodes], rows: list[dict]) -> None:
     """Swaps each quantized module for its packed form; modules sharing one
     Codes share one set of stored tensors."""
-    packed: dict[int, tuple] = {}
+    packed_by: dict[int, tuple] = {}
     by_module = {row["module"]: row for row in rows}
     for fqn, codes in done.items():
         module = modules[fqn]
-        if id(codes) not in packed:
-            packed[id(codes)] = codes.packed()
-        words, scale, offset, bits = packed[id(codes)]
+        if id(codes) not in packed_by:
+            packed_by[id(codes)] = packed(codes)
+        words, scale, offset, bits = packed_by[id(codes)]
         n = module.weight.shape[0]
         if isinstance(module, nn.Linear):
             bias = module.bias.detach() if module.bias is not None else None
@@ -242,17 +227,13 @@ def _shared_tie(group: list[str], modules: dict[str, nn.Module]) -> str | None:
     return embeddings[0] if len(embeddings) == 1 else None
 
 
-def _gguf_sources(gguf: str | None, model: nn.Module) -> tuple[dict[str, Codes], dict[str, str]]:
+def _gguf_sources(gguf: str | None, model: nn.Module) -> tuple[dict[str, GroupCodes], dict[str, str]]:
     """Codes by weight name for every quantized tensor of the GGUF source,
     and every tensor's GGUF type by weight name."""
     if not gguf:
         raise SpecError("--qlinear gguf keeps a GGUF source's own quantization: the model must be a .gguf file "
                         "(or the built-in smollm2-135m)")
-    from kvexport.exporter.gguf_codes import read_gguf_codes
-
-    found, types = read_gguf_codes(gguf, model.config)
-    codes = {name: Codes(c.codes, c.scale, c.offset, c.bits, c.source_type) for name, c in found.items()}
-    return codes, types
+    return read_gguf_codes(gguf, model.config)
 
 
 @torch.no_grad()

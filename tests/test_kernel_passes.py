@@ -133,12 +133,12 @@ def test_partitioners_choose_kernels_by_device():
 
 @pytest.mark.parametrize("group", [0, 16])
 def test_quantized_lookup_unpacks_only_the_gathered_rows(group):
-    from kvexport.exporter.quantize import PackedEmbedding, quantize_weight
+    from kvexport.exporter.quantize import PackedEmbedding, packed, quantize_weight
 
     torch.manual_seed(0)
     block, tokens = Block().eval(), tokens_of(6)
     table = block.embed.weight
-    words, scale, offset, bits = quantize_weight(table, 8, group).packed()
+    words, scale, offset, bits = packed(quantize_weight(table, 8, group))
     block.embed = PackedEmbedding(words, scale, offset, bits, table.shape[0], table.dtype)
     program = exported(block, tokens, dynamic=True)
     run_passes(program.graph_module, [FusedPackedLinearPass(), DecomposeCustomOpsPass()], "m")

@@ -14,7 +14,8 @@ from torch import nn
 from helpers import export_tiny, hf_greedy, prompt_of
 from kvexport.contract.errors import SpecError
 from kvexport.exporter.models import load_model
-from kvexport.exporter.quantize import Codes, PackedLinear, quantize_model, quantize_weight
+from kvexport.exporter.gguf_codes import GroupCodes
+from kvexport.exporter.quantize import PackedLinear, packed, quantize_model, quantize_weight
 from kvexport.passes.base import run_passes
 from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
 from kvexport.passes.packed_weights import FusedPackedLinearPass, dequantize_rows, pack, unpack
@@ -37,7 +38,7 @@ def test_pack_round_trips_and_four_bits_take_half_the_bytes(bits, rows):
 def test_lookups_unpack_the_rows_they_name(bits, group):
     weight = torch.randn(37, 64)
     codes = quantize_weight(weight, bits, group)
-    words, scale, offset, lane_bits = codes.packed()
+    words, scale, offset, lane_bits = packed(codes)
     ids = torch.tensor([[0, 36, 5], [17, 17, 9]])
     got = dequantize_rows(words, scale, offset, lane_bits, ids, torch.float32)
     assert torch.equal(got, codes.dequantize()[ids])
@@ -76,7 +77,7 @@ class Rows(nn.Module):
 def test_fused_product_matches_the_plain_one(bits, group, out, rows):
     torch.manual_seed(0)
     weight, bias = torch.randn(out, 64), torch.randn(out)
-    words, scale, offset, lane_bits = quantize_weight(weight, bits, group).packed()
+    words, scale, offset, lane_bits = packed(quantize_weight(weight, bits, group))
     module = Rows(PackedLinear(words, scale, offset, lane_bits, out, bias)).eval()
     x = torch.randn(rows, 64)
     program = torch.export.export(module, (x,))
@@ -141,8 +142,8 @@ def test_gguf_scheme_needs_a_gguf_source(tmp_path):
 
 
 def test_codes_pack_wider_than_four_bits_a_byte_each():
-    codes = Codes(torch.randint(0, 64, (16, 32), dtype=torch.uint8), torch.rand(16, 2), torch.rand(16, 2), 6, "Q6_K")
-    words, scale, offset, bits = codes.packed()
+    codes = GroupCodes(torch.randint(0, 64, (16, 32), dtype=torch.uint8), torch.rand(16, 2), torch.rand(16, 2), 16, 6, "Q6_K")
+    words, scale, offset, bits = packed(codes)
     assert bits == 8 and words.shape == (4, 32)
     assert scale.dtype == torch.float32  # random scales are not all fp16 values
 
