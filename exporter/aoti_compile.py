@@ -11,7 +11,7 @@ import logging
 import multiprocessing
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -21,6 +21,7 @@ from kvexport.contract.errors import ExportError
 log = logging.getLogger(__name__)
 
 INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
+HEARTBEAT_S = 20.0  # a progress line at least this often while compiling
 
 
 @dataclass(frozen=True)
@@ -101,13 +102,24 @@ def compile_methods(jobs: list[CompileJob], workers: int, progress: Callable[[st
         # spawn: a forked child would inherit the parent's torch thread pools
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            futures = {pool.submit(compile_one, job): job for job in jobs}
-            for i, future in enumerate(as_completed(futures), 1):
-                method, took = _run(future.result)
-                seconds[method] = took
-                progress(f"[{i}/{len(jobs)}] {method} compiled in {took:.1f} s")
+            pending = {pool.submit(compile_one, job) for job in jobs}
+            while pending:
+                done, pending = wait(pending, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
+                for future in done:
+                    method, took = _run(future.result)
+                    seconds[method] = took
+                    progress(f"[{len(seconds)}/{len(jobs)}] {method} compiled in {took:.1f} s")
+                if not done:
+                    progress(_still_compiling(len(seconds), len(jobs), time.perf_counter() - start))
     progress(f"compiled {len(jobs)} methods in {time.perf_counter() - start:.1f} s with {workers} worker(s)")
     return seconds
+
+
+def _still_compiling(done: int, total: int, elapsed: float) -> str:
+    line = f"compiling: {done}/{total} methods done, {elapsed:.0f} s elapsed"
+    if done:
+        line += f", about {elapsed / done * (total - done):.0f} s left"
+    return line
 
 
 def _run(fn, *args):
