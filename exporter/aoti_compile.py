@@ -20,7 +20,9 @@ from kvexport.contract.errors import ExportError
 
 log = logging.getLogger(__name__)
 
-INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False}
+# no line tables: they were two thirds of a compiled method's bytes (debug
+# sections of the .so) and hold the build directory's paths
+INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False, "aot_inductor.enable_line_tables": False}
 HEARTBEAT_S = 20.0  # a progress line at least this often while compiling
 
 
