@@ -15,8 +15,7 @@ offset per group, `w = scale * code + offset` (passes/packed_weights.py),
 read through PackedLinear / PackedEmbedding. The scale and offset of a group
 come from its minimum and maximum (the offset is a float, like GGUF's Q4_1,
 so both ends of every group are exact) or from HQQ's search
-(`--qlinear-algorithm hqq`); per-group ones are stored in fp16, the codes
-chosen against the rounded values. `--qlinear-keep-8w` keeps linears at 8
+(`--qlinear-algorithm hqq`), stored in fp32. `--qlinear-keep-8w` keeps linears at 8
 bits by name pattern, or the most sensitive ones (`sensitive:FRACTION`:
 each linear's relative output error on a calibration text, 4-bit against
 its float weight).
@@ -87,22 +86,15 @@ class PackedEmbedding(nn.Module):
 
 def packed(codes: GroupCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(words, scale, offset, lane bits) to store: 4-bit codes two a byte,
-    wider ones a byte each; scales and offsets in fp16 where that is exact."""
+    wider ones a byte each; scales and offsets in fp32 (stored in fp16, a
+    compiled product converted each one scalar by scalar: 4 x slower)."""
     bits = 4 if codes.bits <= 4 else 8
-    return pack(codes.codes, bits), pad_rows(_compact(codes.scale), bits), pad_rows(_compact(codes.offset), bits), bits
-
-
-def _compact(t: torch.Tensor) -> torch.Tensor:
-    """fp16 when that holds every value exactly, else fp32."""
-    t = t.float()
-    half = t.half()
-    return half if torch.equal(half.float(), t) else t
+    return pack(codes.codes, bits), pad_rows(codes.scale.float(), bits), pad_rows(codes.offset.float(), bits), bits
 
 
 def quantize_weight(weight: torch.Tensor, bits: int, group: int, algorithm: str = "minmax") -> GroupCodes:
     """Codes for a float weight [N, K]: a scale and an offset per group
-    (group 0: per row) from its range or HQQ's search; per-group values are
-    rounded to fp16 first and the codes chosen against what is stored."""
+    (group 0: per row) from its range or HQQ's search."""
     w = weight.detach().float()
     n, k = w.shape
     size = group or k
@@ -120,8 +112,6 @@ def quantize_weight(weight: torch.Tensor, bits: int, group: int, algorithm: str 
         low, high = grouped.amin(-1), grouped.amax(-1)
         scale, offset = (high - low) / top, low
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    if group:
-        scale, offset = scale.half().float(), offset.half().float()
     codes = torch.round((grouped - offset[..., None]) / scale[..., None]).clamp(0, top)
     return GroupCodes(codes.to(torch.uint8).view(n, k), scale, offset, size, bits, str(weight.dtype).removeprefix("torch."))
 

@@ -117,11 +117,11 @@ class FusedPackedLinearPass(RewritePass):
     `max_rows`, as one reduction over K per lane: the compiler fuses the
     lanes into one loop that loads a vector of words once and unpacks each
     lane with a shift and a mask, so neither the float weight nor the
-    unpacked codes are ever written. Rows are the inner loop (the product is
-    computed as [R, rows] and transposed), so a word row read from memory
-    is reused from L1 for every row, unpacked again for each (one reduction
-    per row and lane sharing the unpacking was 1.8 x faster than batch 1 at
-    8 rows but took 10 minutes to compile for SmolLM2). A per-group scale multiplies inside the reduction (it is
+    unpacked codes are ever written. Rows are the outer loop: each row reads
+    the words again, from cache where a layer fits. Measured on SmolLM2 at
+    8 rows (bench/decode.py): rows inner (the product as [R, rows],
+    transposed) ran 0.52 x the batch-1 rate; one reduction per row and lane
+    sharing the unpacking ran 1.8 x but took 10 minutes to compile. A per-group scale multiplies inside the reduction (it is
     constant over a group's inner loop); the offsets, a few per row, are a
     small reduction over the rows' group sums. Rows are pinned to memory first
     (see FusedDequantizeMatmulPass)."""
@@ -160,16 +160,14 @@ class FusedPackedLinearPass(RewritePass):
 
         pinned = op(aten.reshape.default, x, [rows, width])
         pinned = op(torch.ops.prims.inductor_force_stride_order.default, pinned, [width, 1])
-        x_grouped = op(aten.reshape.default, pinned, [1, rows, groups, size])
+        x_grouped = op(aten.reshape.default, pinned, [rows, 1, groups, size])
         scales = op(aten.reshape.default, as_float(scale), [lanes_of(bits), per_word, groups, 1])
         by_lane = []
         for b in range(lanes_of(bits)):
             shifted = op(aten.bitwise_right_shift.Tensor_Scalar, words, bits * b)
-            codes = op(aten.reshape.default, op(aten.bitwise_and.Scalar, shifted, (1 << bits) - 1), [per_word, 1, groups, size])
-            lane_scale = op(aten.unsqueeze.default, op(aten.select.int, scales, 0, b), 1)
-            weight = op(aten.mul.Tensor, as_float(codes), lane_scale)
-            products = op(aten.sum.dim_IntList, op(aten.mul.Tensor, x_grouped, weight), [-1, -2])  # [R, rows]
-            by_lane.append(op(aten.permute.default, products, [1, 0]))
+            codes = op(aten.reshape.default, op(aten.bitwise_and.Scalar, shifted, (1 << bits) - 1), [per_word, groups, size])
+            weight = op(aten.mul.Tensor, as_float(codes), op(aten.select.int, scales, 0, b))
+            by_lane.append(op(aten.sum.dim_IntList, op(aten.mul.Tensor, x_grouped, weight), [-1, -2]))  # [rows, R]
         out = op(aten.cat.default, by_lane, 1)
         sums = op(aten.sum.dim_IntList, op(aten.reshape.default, pinned, [rows, groups, size]), [-1])
         offsets = op(aten.mul.Tensor, op(aten.unsqueeze.default, sums, 1), as_float(offset))  # [rows, lanes * R, groups]

@@ -50,7 +50,7 @@ def test_minmax_codes_keep_both_ends_of_every_group():
     back = codes.dequantize().view(8, 4, 32)
     grouped = weight.view(8, 4, 32)
     step = codes.scale.float()
-    assert (back - grouped).abs().amax(-1).le(step * 0.5 + 1e-3).all()  # half a step (fp16 scale, offset)
+    assert (back - grouped).abs().amax(-1).le(step * 0.5 + 1e-6).all()  # half a step
     assert codes.scale.dtype == torch.float32 and codes.codes.max() == 15 and codes.codes.min() == 0
     per_row = quantize_weight(weight, 8, 0)
     assert torch.allclose(per_row.dequantize().amin(1), weight.amin(1)) and torch.allclose(per_row.dequantize().amax(1), weight.amax(1))
@@ -145,7 +145,7 @@ def test_codes_pack_wider_than_four_bits_a_byte_each():
     codes = GroupCodes(torch.randint(0, 64, (16, 32), dtype=torch.uint8), torch.rand(16, 2), torch.rand(16, 2), 16, 6, "Q6_K")
     words, scale, offset, bits = packed(codes)
     assert bits == 8 and words.shape == (4, 32)
-    assert scale.dtype == torch.float32  # random scales are not all fp16 values
+    assert scale.dtype == torch.float32
 
 
 def test_a_gguf_source_keeps_its_own_codes(tmp_path, monkeypatch):
