@@ -104,9 +104,9 @@ def unpacked_copy(model: nn.Module) -> nn.Module:
     return model
 
 
-@pytest.mark.parametrize("backend", ["portable", pytest.param("aoti", marks=pytest.mark.slow)])
-def test_packed_and_unpacked_four_bits_give_the_same_tokens(tmp_path, backend):
-    package = export_tiny("tiny-llama", tmp_path / "pkg", qlinear="4w", qembedding="8w", backend=backend).path
+def test_packed_and_unpacked_four_bits_give_the_same_tokens(tmp_path, backend="portable", package=None):
+    """(test_quantization runs it on the aoti package it shares.)"""
+    package = package or export_tiny("tiny-llama", tmp_path / "pkg", qlinear="4w", qembedding="8w", backend=backend).path
     eager = load_model("tiny-llama").model
     quantize_model(eager, "4w", 0, "8w")
     plain = unpacked_copy(eager)

@@ -150,7 +150,7 @@ def test_min_prefill_chunk(quantized):
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (dict(qlinear="3w"), "--qlinear must be one of 8w, 4w, 8da4w"),
+        (dict(qlinear="3w"), "--qlinear must be one of 8w, 4w, gguf, 8da4w"),
         (dict(qlinear="4w", qlinear_group_size=24), "--qlinear-group-size must be a positive power of two"),
         (dict(qlinear="4w", qlinear_group_size=-32), "--qlinear-group-size must be a positive power of two"),
         (dict(qembedding="4w"), "--qembedding must be 8w"),
@@ -160,3 +160,9 @@ def test_min_prefill_chunk(quantized):
 def test_bad_quantization_flags(tmp_path, flags, message):
     with pytest.raises(SpecError, match=message):
         export_tiny("tiny-llama", tmp_path / "pkg", **flags)
+
+
+def test_packed_and_unpacked_four_bits_give_the_same_tokens_on_aoti(quantized, tmp_path):
+    from test_packed_quant import test_packed_and_unpacked_four_bits_give_the_same_tokens as same_tokens
+
+    same_tokens(tmp_path, package=quantized("tiny-llama", "4w", "aoti"))
