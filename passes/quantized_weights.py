@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from kvexport.passes.base import RewritePass, arguments, emit, emit_shape, static_rows
+from kvexport.passes.base import RewritePass, arguments, emit, static_rows
 from kvexport.passes.check_step_width import USER_INPUTS_META
 
 aten = torch.ops.aten

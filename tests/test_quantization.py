@@ -6,7 +6,6 @@ without torchao or pickle."""
 from __future__ import annotations
 
 import json
-import pickle
 import subprocess
 import sys
 
