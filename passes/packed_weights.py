@@ -75,12 +75,17 @@ def pad_rows(t: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(extra, t.shape[1])]) if extra else t
 
 
-def _dequantize_packed(words, scale, offset, bits: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
-    codes = unpack(words, bits, rows)
+def _values(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """scale * code + offset per group, for codes [T, K] and their rows'
+    scale and offset [T, groups]."""
     width, groups = codes.shape[1], scale.shape[1]
-    grouped = codes.to(dtype).reshape(rows, groups, width // groups)
-    values = grouped * scale[:rows].to(dtype).unsqueeze(-1) + offset[:rows].to(dtype).unsqueeze(-1)
-    return values.reshape(rows, width)
+    grouped = codes.to(dtype).reshape(-1, groups, width // groups)
+    values = grouped * scale.to(dtype).unsqueeze(-1) + offset.to(dtype).unsqueeze(-1)
+    return values.reshape(-1, width)
+
+
+def _dequantize_packed(words, scale, offset, bits: int, rows: int, dtype: torch.dtype) -> torch.Tensor:
+    return _values(unpack(words, bits, rows), scale[:rows], offset[:rows], dtype)
 
 
 _LIB.impl("dequantize_packed", _dequantize_packed, "CompositeImplicitAutograd")
@@ -101,11 +106,9 @@ def dequantize_rows(words, scale, offset, bits: int, index: torch.Tensor, dtype:
     lanes = torch.stack([lane(word, bits, b) for b in range(lanes_of(bits))], 1)  # [T, lanes, K]
     which = torch.div(flat, per_word, rounding_mode="floor").reshape(-1, 1, 1).expand(-1, 1, word.shape[1])
     codes = torch.gather(lanes, 1, which).squeeze(1)
-    width, groups = codes.shape[1], scale.shape[1]
-    grouped = codes.to(dtype).reshape(-1, groups, width // groups)
-    values = grouped * torch.nn.functional.embedding(flat, scale).to(dtype).unsqueeze(-1)
-    values = values + torch.nn.functional.embedding(flat, offset).to(dtype).unsqueeze(-1)
-    return values.reshape(*index.shape, width)
+    embedding = torch.nn.functional.embedding
+    values = _values(codes, embedding(flat, scale), embedding(flat, offset), dtype)
+    return values.reshape(*index.shape, word.shape[1])
 
 
 def _is_packed(node: object) -> bool:
@@ -121,8 +124,9 @@ class FusedPackedLinearPass(RewritePass):
     the words again, from cache where a layer fits. Measured on SmolLM2 at
     8 rows (bench/decode.py): rows inner (the product as [R, rows],
     transposed) ran 0.52 x the batch-1 rate; one reduction per row and lane
-    sharing the unpacking ran 1.8 x but took 10 minutes to compile. A per-group scale multiplies inside the reduction (it is
-    constant over a group's inner loop); the offsets, a few per row, are a
+    sharing the unpacking ran 1.8 x but took 10 minutes to compile. A
+    per-group scale multiplies inside the reduction (it is constant over a
+    group's inner loop); the offsets, a few per row, are a
     small reduction over the rows' group sums. Rows are pinned to memory first
     (see FusedDequantizeMatmulPass)."""
 
