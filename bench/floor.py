@@ -1,0 +1,138 @@
+"""This machine's floors, and how close each way of computing a decode
+product comes to them, in one run:
+
+- the streaming-read rate: a `sum` over a 1 GiB fp32 tensor (best and
+  median of several runs; it varies from run to run on shared machines);
+- the fp32 GEMM rate of the BLAS at 1 to 512 rows, on a weight that stays
+  in cache (GFLOP/s);
+- the rate at which products with 1 to 8 rows read 48 layer-sized fp32
+  weights (GB/s): the BLAS as `x @ W.T` (`F.linear`) and as `W @ x.T` (the
+  weight-stationary layout the CPU backends use), against the reduction
+  inductor generates itself (`(x[:, None] * w).sum(-1)`);
+- with `--package` (an fp32 one), the floors of its decode step: weight bytes
+  at the best read rate (batch 1) and 2 x parameters x 8 FLOP at the BLAS's
+  8-row GEMM rate (8 sessions).
+
+    python bench/floor.py [--package PKG]
+
+Set ATEN_CPU_CAPABILITY=avx2 to see inductor's AVX2 code on an AVX-512
+machine, and MKL_ENABLE_INSTRUCTIONS=AVX2 to see the BLAS's AVX2 path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+# torch.compile's cache does not key on ATEN_CPU_CAPABILITY: a kernel
+# generated for AVX-512 and rebuilt for AVX2 from the cache computed wrong
+# sums here (torch 2.13). A fresh cache per run keeps each ISA's code its own.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="kvexport-floor-"))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from common import best_of, cpu_model, emit  # noqa: E402
+
+
+def read_rate(gib: float = 1.0, runs: int = 7) -> dict[str, float]:
+    t = torch.ones(int(gib * (1 << 30)) // 4)
+    seconds = []
+    for _ in range(runs + 1):
+        start = time.perf_counter()
+        t.sum()
+        seconds.append(time.perf_counter() - start)
+    rates = [t.numel() * 4 / s / 1e9 for s in seconds[1:]]
+    return {"best_gbps": round(max(rates), 1), "median_gbps": round(statistics.median(rates), 1)}
+
+
+def gemm_rates(out_features: int = 1536, in_features: int = 576) -> dict[int, float]:
+    w = torch.randn(out_features, in_features)
+    rates = {}
+    for rows in (1, 2, 4, 8, 16, 64, 256, 512):
+        x = torch.randn(rows, in_features)
+        seconds = best_of(lambda: F.linear(x, w), 50 if rows <= 16 else 10)
+        rates[rows] = round(2 * rows * out_features * in_features / seconds / 1e9, 1)
+    return rates
+
+
+def _linear(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [F.linear(x, w) for w in weights]
+
+
+def _weight_stationary(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """W @ x.T, one row padded to two (passes/weight_stationary_linear.py)."""
+    xt = (F.pad(x, (0, 0, 0, 1)) if x.shape[0] == 1 else x).t()
+    return [torch.mm(w, xt).t()[: x.shape[0]] for w in weights]
+
+
+def _reduction(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [(x[:, None, :] * w[None, :, :]).sum(-1) for w in weights]
+
+
+def weight_read_rates(layers: int = 48, shape: tuple[int, int] = (1536, 576)) -> dict[str, dict[int, float]]:
+    """GB/s of products over `layers` distinct weights of a decoder layer's
+    size (170 MB in all, more than the caches hold, each one fits in L2/L3
+    as a real layer's does)."""
+    weights = [torch.randn(shape) for _ in range(layers)]
+    ways = {"blas_x_wt": _linear, "blas_weight_stationary": _weight_stationary,
+            "generated_reduction": torch.compile(_reduction, dynamic=False)}
+    rates: dict[str, dict[int, float]] = {name: {} for name in ways}
+    for rows in (1, 2, 4, 8):
+        x = torch.randn(rows, shape[1])
+        expected = _linear(x, weights)
+        for name, fn in ways.items():
+            torch.testing.assert_close(fn(x, weights), expected, rtol=1e-3, atol=1e-3)
+            seconds = best_of(lambda: fn(x, weights), 5)
+            rates[name][rows] = round(layers * weights[0].numel() * 4 / seconds / 1e9, 1)
+    return rates
+
+
+def package_floors(package: Path, read_gbps: float, gemm_8_rows: float) -> dict[str, float]:
+    from safetensors import safe_open
+
+    weights = package / "weights.safetensors"
+    with safe_open(weights, "pt") as f:
+        params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    size = weights.stat().st_size
+    return {
+        "weight_bytes": size,
+        "batch1_floor_ms": round(size / (read_gbps * 1e9) * 1e3, 2),
+        "batch1_floor_tokens_per_s": round(read_gbps * 1e9 / size, 1),
+        "stored_values": params,
+        "sessions8_compute_floor_ms": round(2 * 8 * params / (gemm_8_rows * 1e9) * 1e3, 2),
+        "sessions8_compute_floor_tokens_per_s": round(8 / (2 * 8 * params / (gemm_8_rows * 1e9)), 1),
+    }
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--package", type=Path, help="a package whose decode floors to print")
+    args = parser.parse_args()
+    read = read_rate()
+    gemm = gemm_rates()
+    result = {
+        "cpu": cpu_model(),
+        "threads": torch.get_num_threads(),
+        "read": read,
+        "blas_gemm_gflops_by_rows": gemm,
+        "weight_read_gbps_by_rows": weight_read_rates(),
+    }
+    if args.package:
+        result["package"] = package_floors(args.package, read["best_gbps"], gemm[8])
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
