@@ -35,6 +35,8 @@ RECIPES = {
     "4w g64, sensitive 25% 8w": dict(qlinear="4w", group_size=64, keep_8w=("sensitive:0.25",)),
     "4w g64 hqq, sensitive 25% 8w": dict(qlinear="4w", group_size=64, algorithm="hqq", keep_8w=("sensitive:0.25",)),
     "4w g64, sensitive 50% 8w": dict(qlinear="4w", group_size=64, keep_8w=("sensitive:0.5",)),
+    "4w g64 hqq, sensitive 50% 8w": dict(qlinear="4w", group_size=64, algorithm="hqq", keep_8w=("sensitive:0.5",)),
+    "4w g64 hqq, sensitive 75% 8w": dict(qlinear="4w", group_size=64, algorithm="hqq", keep_8w=("sensitive:0.75",)),
 }
 
 
@@ -52,6 +54,7 @@ def stored_bytes(model: torch.nn.Module) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--only", action="append", choices=sorted(RECIPES), help="run only these recipes (repeatable)")
     args = parser.parse_args()
     loaded = load_model(args.model, "fp32")
     ids = torch.tensor([loaded.tokenizer(TEXT)["input_ids"][:256]])
@@ -60,6 +63,8 @@ def main() -> None:
     fp32_bytes = stored_bytes(loaded.model)
     rows = []
     for name, recipe in RECIPES.items():
+        if args.only and name not in args.only:
+            continue
         model = load_model(args.model, "fp32").model
         quantize_model(model, recipe["qlinear"], recipe.get("group_size", 0), "8w", algorithm=recipe.get("algorithm", "minmax"),
                        keep_8w=recipe.get("keep_8w", ()), tokenizer=loaded.tokenizer)
