@@ -79,17 +79,19 @@ def _aoti_partitioners(spec) -> list:
     import torch
 
     from kvexport.contract.errors import ExportError
+    from kvexport.exporter.kernel_probe import reduction_rows
     from kvexport.partitioners.aoti import AotiPartitioner
 
     if spec.device == "cuda" and not torch.cuda.is_available():
         raise ExportError("--device cuda needs a CUDA GPU, and torch sees none on this machine")
-    return [AotiPartitioner(spec.device)]
+    return [AotiPartitioner(spec.device, reduction_rows=reduction_rows(spec.device))]
 
 
 def _aoti_entry(spec) -> dict:
+    from kvexport.exporter.kernel_probe import reduction_rows
     from kvexport.partitioners.aoti import compile_target
 
-    return {"target": compile_target(spec.device)}
+    return {"target": compile_target(spec.device) | {"fp32_reduction_rows": reduction_rows(spec.device)}}
 
 
 def _aoti_compile(ctx: CompileContext) -> dict[str, str]:

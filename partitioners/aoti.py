@@ -13,6 +13,7 @@ from kvexport.partitioners.portable import PortablePartitioner
 from kvexport.passes.base import Pass
 from kvexport.passes.packed_weights import FusedPackedLinearPass
 from kvexport.passes.quantized_weights import FusedDequantizeMatmulPass
+from kvexport.passes.reduction_linear import ReductionLinearPass
 
 
 def compile_target(device: str) -> dict:
@@ -39,12 +40,15 @@ class AotiPartitioner(PortablePartitioner):
 
     backend_id = "aoti"
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", reduction_rows: int = 0):
         self.device = device
+        self.reduction_rows = reduction_rows  # fp32 products over 1..N rows as generated reductions
 
     def packed_kernel_passes(self) -> list[Pass]:
         return [FusedPackedLinearPass()] if self.device == "cpu" else []
 
     def kernel_choice_passes(self) -> list[Pass]:
-        fused = [FusedDequantizeMatmulPass()] if self.device == "cpu" else []
-        return fused + super().kernel_choice_passes()
+        if self.device != "cpu":
+            return super().kernel_choice_passes()
+        reductions = [ReductionLinearPass(self.reduction_rows)] if self.reduction_rows else []
+        return [FusedDequantizeMatmulPass(), *reductions, *super().kernel_choice_passes()]

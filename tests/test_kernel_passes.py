@@ -13,6 +13,7 @@ from kvexport.passes.check_step_width import USER_INPUTS_META
 from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
 from kvexport.passes.packed_weights import FusedPackedLinearPass
 from kvexport.passes.quantized_weights import FusedDequantizeMatmulPass
+from kvexport.passes.reduction_linear import ReductionLinearPass
 from kvexport.passes.weight_stationary_linear import WeightStationaryLinearPass
 
 
@@ -61,6 +62,45 @@ def test_weight_stationary_linear_leaves_dynamic_and_wide_products():
     for program in (dynamic, wide):
         run_passes(program.graph_module, [WeightStationaryLinearPass(max_rows=8)], "m")
         assert targets(program).count(torch.ops.aten.linear.default) == 2
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_reduction_linear_rewrites_rows_up_to_its_limit_and_keeps_results(rows):
+    torch.manual_seed(0)
+    block, tokens = Block().eval(), tokens_of(rows)
+    program = exported(block, tokens)
+    run_passes(program.graph_module, [ReductionLinearPass(max_rows=2), WeightStationaryLinearPass()], "m")
+    ops = targets(program)
+    assert torch.ops.aten.linear.default not in ops
+    assert ops.count(torch.ops.aten.sum.dim_IntList) == (2 if rows <= 2 else 0)
+    assert ops.count(torch.ops.aten.mm.default) == (0 if rows <= 2 else 2)
+    torch.testing.assert_close(program.module()(tokens), block(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_reduction_rows_follow_the_measured_rates():
+    from kvexport.exporter.kernel_probe import choose_rows
+
+    def rates(reduction):
+        return {"blas": {1: 20.0, 2: 20.0, 4: 20.0, 8: 20.0}, "reduction": dict(zip((1, 2, 4, 8), reduction))}
+
+    assert choose_rows(rates([30, 30, 10, 30])) == 2  # the first loss ends the run
+    assert choose_rows(rates([21, 30, 30, 30])) == 0  # within the noise margin: the BLAS stays
+    assert choose_rows(rates([40, 40, 40, 40])) == 8
+
+
+def test_kernel_probe_measures_once_per_machine(tmp_path, monkeypatch):
+    from kvexport.exporter import kernel_probe
+
+    monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(kernel_probe, "measure", lambda: calls.append(1) or {
+        "blas": {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0}, "reduction": {1: 20.0, 2: 20.0, 4: 5.0, 8: 5.0}})
+    assert kernel_probe.reduction_rows("cpu") == 2 and kernel_probe.reduction_rows("cpu") == 2
+    assert calls == [1]
+    [kept] = (tmp_path / "probes").iterdir()
+    kept.write_text("{not json")  # a damaged cache file is measured again, not trusted
+    assert kernel_probe.reduction_rows("cpu") == 2 and calls == [1, 1]
+    assert kernel_probe.reduction_rows("cuda") == 0
 
 
 def quantized_block(scheme: str) -> nn.Module:
@@ -128,6 +168,9 @@ def test_partitioners_choose_kernels_by_device():
     cuda = names(AotiPartitioner("cuda"))  # the layouts were measured on the CPU's BLAS only
     assert "fused_dequantize_matmul" not in cuda and "weight_stationary_linear" not in cuda
     assert cpu.index("fused_packed_linear") < cpu.index("decompose_custom_ops")
+    assert "reduction_linear" not in cpu
+    measured = names(AotiPartitioner("cpu", reduction_rows=2))
+    assert measured.index("reduction_linear") < measured.index("weight_stationary_linear")
     assert cuda[:1] == ["decompose_custom_ops"]
 
 
