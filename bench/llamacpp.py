@@ -1,0 +1,125 @@
+"""llama.cpp beside kvexport on the same model, in one command: decode at
+batch 1, 8 sequences aggregated, and a 512-token prompt, for llama.cpp F32,
+Q8_0 and Q4_0 and for the packages given.
+
+    python bench/llamacpp.py [--package fp32-aoti=PKG ...] [--model smollm2-135m]
+
+llama.cpp is built from the vendored tree of the `llama-cpp-python==0.3.36`
+sdist (fetched from the package registry; CMake, CPU only, -march=native),
+once, in kvexport's cache directory (`$KVEXPORT_CACHE_DIR/llama.cpp-0.3.36`,
+15-25 minutes on 2 cores). The model is converted with its
+`convert_hf_to_gguf.py` to F32, then `llama-quantize` makes Q8_0 and Q4_0.
+`llama-bench` gives the batch-1 decode (tg) and prompt (pp) rates,
+`llama-batched-bench` the 8-sequence aggregate. OMP_WAIT_POLICY=passive
+keeps its threads from spinning on a shared machine. Each package is
+measured with bench/decode.py and bench/prefill.py in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+from common import cpu_model, emit
+from kvexport.exporter.models import cache_dir, load_model
+
+VERSION = "0.3.36"
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
+HERE = Path(__file__).resolve().parent
+
+
+def run(cmd: list, **kwargs) -> str:
+    print("+", " ".join(map(str, cmd)), file=sys.stderr, flush=True)
+    return subprocess.run(cmd, check=True, text=True, stdout=subprocess.PIPE, **kwargs).stdout
+
+
+def build(root: Path) -> Path:
+    """The llama.cpp tree, with TOOLS built in root/build/bin."""
+    tree, binaries = root / "llama.cpp", root / "llama.cpp" / "build" / "bin"
+    if all((binaries / t).exists() for t in TOOLS):
+        return tree
+    root.mkdir(parents=True, exist_ok=True)
+    sdist = root / f"llama_cpp_python-{VERSION}.tar.gz"
+    if not sdist.exists():
+        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+             f"llama-cpp-python=={VERSION}", "-d", str(root)])
+    if not tree.exists():
+        prefix = f"llama_cpp_python-{VERSION}/vendor/llama.cpp/"
+        with tarfile.open(sdist) as archive:
+            members = [m for m in archive.getmembers() if m.name.startswith(prefix)]
+            for m in members:
+                m.name = m.name[len(prefix):]
+            archive.extractall(tree, members=[m for m in members if m.name], filter="data")
+    run(["cmake", "-S", str(tree), "-B", str(tree / "build"), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
+         "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DGGML_CUDA=OFF", "-DLLAMA_BUILD_TESTS=OFF"])
+    run(["cmake", "--build", str(tree / "build"), "--target", *TOOLS, "-j", str(os.cpu_count() or 1)])
+    return tree
+
+
+def models(tree: Path, root: Path, model: str) -> dict[str, Path]:
+    """F32, Q8_0 and Q4_0 GGUF files of `model` (converted once)."""
+    out = {kind: root / f"{model}-{kind}.gguf" for kind in ("F32", "Q8_0", "Q4_0")}
+    if not out["F32"].exists():
+        hf_dir = root / f"{model}-hf"
+        if not (hf_dir / "config.json").exists():
+            loaded = load_model(model)
+            loaded.model.save_pretrained(hf_dir)
+            loaded.tokenizer.save_pretrained(hf_dir)
+        run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
+             "--outfile", str(out["F32"])], env={**os.environ, "PYTHONPATH": str(tree / "gguf-py")})
+    for kind in ("Q8_0", "Q4_0"):
+        if not out[kind].exists():
+            run([str(tree / "build" / "bin" / "llama-quantize"), str(out["F32"]), str(out[kind]), kind])
+    return out
+
+
+def llama_rates(tree: Path, gguf: Path, threads: int) -> dict:
+    binaries = tree / "build" / "bin"
+    env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
+    bench = json.loads(run([str(binaries / "llama-bench"), "-m", str(gguf), "-t", str(threads),
+                            "-p", "512", "-n", "64", "-r", "3", "-o", "json"], env=env))
+    rates = {("prefill_512" if r["n_prompt"] else "decode_batch1"): round(r["avg_ts"], 1) for r in bench}
+    lines = run([str(binaries / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-c", "4096",
+                 "-b", "512", "-ub", "512", "-npp", "24", "-ntg", "64", "-npl", "8", "--output-format", "jsonl"], env=env)
+    batched = [json.loads(line) for line in lines.splitlines() if line.startswith("{")]
+    rates["decode_8_sequences"] = round(batched[-1]["speed_tg"], 1)
+    return rates
+
+
+def ours(package: Path) -> dict:
+    def bench(script: str) -> dict:
+        return json.loads(run([sys.executable, str(HERE / script), "--package", str(package)], cwd=HERE))
+
+    decode, prefill = bench("decode.py"), bench("prefill.py")
+    return {"decode_batch1": decode["batch1"]["package_tokens_per_s"],
+            "decode_8_sequences": decode["batch8"]["package_tokens_per_s"],
+            "prefill_512": prefill["package_tokens_per_s"],
+            "hf_decode_batch1": decode["batch1"]["hf_generate_tokens_per_s"],
+            "hf_prefill_512": prefill["hf_forward_tokens_per_s"],
+            "hf_prefill_512_last_row": prefill["hf_forward_last_row_tokens_per_s"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--package", action="append", default=[], help="LABEL=PKG, measured beside llama.cpp")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = parser.parse_args()
+    root = cache_dir() / f"llama.cpp-{VERSION}"
+    tree = build(root)
+    result = {"cpu": cpu_model(), "threads": args.threads, "llama.cpp": {}}
+    for kind, gguf in models(tree, root, args.model).items():
+        result["llama.cpp"][kind] = llama_rates(tree, gguf, args.threads)
+    for item in args.package:
+        label, _, path = item.partition("=")
+        result[label] = ours(Path(path))
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
