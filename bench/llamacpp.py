@@ -33,9 +33,11 @@ TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
 HERE = Path(__file__).resolve().parent
 
 
-def run(cmd: list, **kwargs) -> str:
+def run(cmd: list, capture: bool = True, **kwargs) -> str:
+    """Runs cmd; its output is returned, or shown as it goes (capture=False)."""
     print("+", " ".join(map(str, cmd)), file=sys.stderr, flush=True)
-    return subprocess.run(cmd, check=True, text=True, stdout=subprocess.PIPE, **kwargs).stdout
+    out = subprocess.PIPE if capture else sys.stderr
+    return subprocess.run(cmd, check=True, text=True, stdout=out, **kwargs).stdout
 
 
 def build(root: Path) -> Path:
@@ -56,8 +58,8 @@ def build(root: Path) -> Path:
                 m.name = m.name[len(prefix):]
             archive.extractall(tree, members=[m for m in members if m.name], filter="data")
     run(["cmake", "-S", str(tree), "-B", str(tree / "build"), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-         "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DGGML_CUDA=OFF", "-DLLAMA_BUILD_TESTS=OFF"])
-    run(["cmake", "--build", str(tree / "build"), "--target", *TOOLS, "-j", str(os.cpu_count() or 1)])
+         "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DGGML_CUDA=OFF", "-DLLAMA_BUILD_TESTS=OFF"], capture=False)
+    run(["cmake", "--build", str(tree / "build"), "--target", *TOOLS, "-j", str(os.cpu_count() or 1)], capture=False)
     return tree
 
 
@@ -71,10 +73,10 @@ def models(tree: Path, root: Path, model: str) -> dict[str, Path]:
             loaded.model.save_pretrained(hf_dir)
             loaded.tokenizer.save_pretrained(hf_dir)
         run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
-             "--outfile", str(out["F32"])], env={**os.environ, "PYTHONPATH": str(tree / "gguf-py")})
+             "--outfile", str(out["F32"])], capture=False, env={**os.environ, "PYTHONPATH": str(tree / "gguf-py")})
     for kind in ("Q8_0", "Q4_0"):
         if not out[kind].exists():
-            run([str(tree / "build" / "bin" / "llama-quantize"), str(out["F32"]), str(out[kind]), kind])
+            run([str(tree / "build" / "bin" / "llama-quantize"), str(out["F32"]), str(out[kind]), kind], capture=False)
     return out
 
 

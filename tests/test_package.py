@@ -4,6 +4,7 @@ writes, and the loader's refusals."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 
@@ -55,6 +56,24 @@ def test_tied_weights_stored_once(tiny_package):
     manifest = read_manifest(tiny_package("tiny-llama"))
     assert manifest["weights"]["aliases"] == {"lm_head.weight": "decoder.embed_tokens.weight"}
     assert read_manifest(tiny_package("tiny-qwen2"))["weights"]["aliases"] == {}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux's /proc/self/maps")
+def test_weights_are_mapped_from_the_package_file(tiny_package):
+    """Every weight tensor lies in a mapping of the package's weights file
+    (page cache, shared between processes), not in private memory."""
+    runtime = load(tiny_package("tiny-llama"))
+    weights = str(runtime.package.reader.weights_path.resolve())
+    spans = []
+    for line in open("/proc/self/maps"):
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].strip() == weights:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            spans.append((start, end))
+    assert spans, "the weights file is not mapped"
+    for name, tensor in runtime.package.tensors.items():
+        ptr = tensor.data_ptr()
+        assert any(start <= ptr < end for start, end in spans), name
 
 
 def test_one_copy_of_the_weights_in_memory(tiny_package):
