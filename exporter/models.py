@@ -5,6 +5,7 @@ name. Support is keyed by the config's `architectures` string
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -30,7 +31,8 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 class LoadedModel:
     model: Any  # a transformers PreTrainedModel, eval mode
     tokenizer: Any | None
-    provenance: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)  # names and digests, never a local path
+    gguf: Path | None = None  # the GGUF file a model came from (its codes, for --qlinear gguf)
 
 
 TINY_SEED = 1234
@@ -55,13 +57,15 @@ def load_model(source: str, dtype: str = "fp32", progress: Callable[[str], None]
     if source in BUILTINS:
         if source == "smollm2-135m":
             gguf = _smollm2_gguf()
-            return _load_directory(_converted_gguf(gguf, progress), dtype, {"builtin": source, "gguf": str(gguf)})
+            loaded = _load_directory(_converted_gguf(gguf, progress), dtype, {"builtin": source, "gguf": gguf.name})
+            return dataclasses.replace(loaded, gguf=gguf)
         return _load_tiny(source, dtype)
     path = Path(source)
     if path.is_dir():
         return _load_directory(path, dtype, {})
     if path.is_file() and path.suffix == ".gguf":
-        return _load_directory(_converted_gguf(path, progress), dtype, {"gguf": str(path.absolute())})
+        loaded = _load_directory(_converted_gguf(path, progress), dtype, {"gguf": path.name})
+        return dataclasses.replace(loaded, gguf=path)
     if path.exists():
         raise ModelError(f"{source}: expected a Hugging Face model directory or a .gguf file")
     if os.sep in source or source.startswith("."):
@@ -103,7 +107,9 @@ def _load_directory(path: Path, dtype: str, origin: dict[str, Any]) -> LoadedMod
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=TORCH_DTYPES[dtype], use_safetensors=True)
     model.eval()
     files = {p.name: sha256_file(p) for p in sorted(path.iterdir()) if p.is_file()}
-    source = {**origin, "path": str(path.absolute()), "files": files}
+    # the directory's name: the digests say which model it is, and an
+    # absolute path would make two exports of one model differ by location
+    source = {**origin, "path": path.absolute().name, "files": files}
     return LoadedModel(model, _load_tokenizer(path), {"source": source})
 
 

@@ -24,6 +24,7 @@ import contextlib
 import datetime
 import importlib.metadata
 import logging
+import os
 import platform
 import time
 from dataclasses import dataclass, field
@@ -104,7 +105,7 @@ def quantize(state: ExportState) -> None:
     state.coverage = quantize_model(
         loaded.model, spec.qlinear, spec.qlinear_group_size, spec.qembedding,
         algorithm=spec.qlinear_algorithm, keep_8w=tuple(p.strip() for p in spec.qlinear_keep_8w.split(",") if p.strip()), tokenizer=loaded.tokenizer,
-        gguf=loaded.provenance.get("source", {}).get("gguf"), progress=state.progress,
+        gguf=loaded.gguf, progress=state.progress,
     )
     inner = plain_weights(loaded.model)  # torchao's (8da4w)
     for row in state.coverage:
@@ -411,18 +412,48 @@ def name_stored_tensors(coverage: list[dict], programs: dict[str, torch.export.E
     ]
 
 
+# recipe keys that say where and how the package was written, not what it is
+_NOT_CONTENT = ("output", "overwrite", "compile_workers")
+
+
 def provenance(spec: ExportSpec, loaded: LoadedModel) -> dict[str, Any]:
+    """Where the package came from. Two exports of the same inputs with the
+    same recipe store the same provenance: no output path, no clock (a
+    time only from SOURCE_DATE_EPOCH, the reproducible-builds convention)."""
+
     def version(dist: str) -> str | None:
         try:
             return importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    return {
+    out = {
         **loaded.provenance,
         "tools": {name: version(name) for name in ("kvexport", "torch", "transformers", "safetensors")}
         | {"python": platform.python_version()},
-        "command": spec.command,
-        "recipe": spec.recipe(),
-        "created_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": _without_output(spec.command),
+        "recipe": {k: v for k, v in spec.recipe().items() if k not in _NOT_CONTENT},
     }
+    epoch = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    if epoch.isdigit():
+        out["created_utc"] = datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc).isoformat(timespec="seconds")
+    return out
+
+
+def _without_output(command: list[str]) -> list[str]:
+    """The command line with the output directory's value replaced by PKG."""
+    out, skip = [], False
+    for arg in command:
+        if skip:
+            out.append("PKG")
+            skip = False
+        elif arg in ("-o", "--output"):
+            out.append(arg)
+            skip = True
+        elif arg.startswith("--output="):
+            out.append("--output=PKG")
+        elif arg.startswith("-o") and len(arg) > 2:
+            out.append("-oPKG")
+        else:
+            out.append(arg)
+    return out

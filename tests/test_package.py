@@ -194,6 +194,29 @@ def test_export_is_deterministic_in_names_and_graphs(tmp_path, tiny_package):
         assert first["files"][rel]["sha256"] == second["files"][rel]["sha256"], rel
 
 
+def test_re_export_is_byte_identical(tmp_path, monkeypatch):
+    """Same inputs and recipe, another directory, another time: every file,
+    the manifest included, has the same bytes (no output path, no clock)."""
+    from kvexport.exporter.spec import build_spec
+
+    def export(out):
+        flags = dict(model="tiny-qwen2", output=str(out), use_offgraph_kv_cache=True, forward_sizes="1,4", max_step_tokens=16)
+        spec = build_spec(flags=flags, command=["kvexport", "export", "tiny-qwen2", "-o", str(out), "--forward-sizes", "1,4"])
+        return pipeline.export_package(spec, progress=lambda message: None).path
+
+    first = export(tmp_path / "a" / "pkg")
+    second = export(tmp_path / "elsewhere" / "pkg2")
+    files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(second) for p in second.rglob("*") if p.is_file())
+    for rel in files:
+        assert (first / rel).read_bytes() == (second / rel).read_bytes(), rel
+    manifest = read_manifest(first)
+    assert "PKG" in manifest["provenance"]["command"] and "created_utc" not in manifest["provenance"]
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    dated = read_manifest(export(tmp_path / "dated"))
+    assert dated["provenance"]["created_utc"] == "2023-11-14T22:13:20+00:00"
+
+
 def test_bf16_package_runs(tmp_path):
     path = export_tiny("tiny-llama", tmp_path / "bf16", dtype="bf16", forward_sizes="1,4").path
     runtime = load(path)
