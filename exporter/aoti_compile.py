@@ -6,10 +6,14 @@ crosses the process boundary. Weights stay out of the compiled code
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import gzip
 import logging
 import multiprocessing
 import os
+import shutil
+import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -47,6 +51,7 @@ def compile_one(job: CompileJob) -> tuple[str, float]:
     import torch
     import torch._inductor.inductor_prims  # noqa: F401  (ops the fused products use; see passes/quantized_weights.py)
     from safetensors.torch import load_file
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
     from kvexport.contract import torch_compat
 
@@ -63,8 +68,36 @@ def compile_one(job: CompileJob) -> tuple[str, float]:
         constants[spec["name"]] = torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=job.device)
     program = torch_compat.graph_from_json(gzip.decompress(job.graph.read_bytes()), state, constants)
     program.example_inputs = (tuple(t.to(job.device) for t in example_inputs(job.inputs)), {})
-    torch._inductor.aoti_compile_and_package(program, package_path=str(job.output), inductor_configs=INDUCTOR_CONFIGS)
+    with compile_directory(job.method) as directory, temporary_cache_dir(str(directory)):
+        torch._inductor.aoti_compile_and_package(program, package_path=str(job.output), inductor_configs=INDUCTOR_CONFIGS)
     return job.method, time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def compile_directory(method: str):
+    """An empty compile directory at a path fixed by the method's name.
+    AOTInductor writes that path into the generated code, so a fixed one
+    makes two compiles of one method byte-identical; a fresh one keeps
+    code from another export or instruction set (inductor's cache does not
+    key on ATEN_CPU_CAPABILITY) out. Held with a lock; when another export
+    holds it, a private directory serves, at the cost of identical bytes."""
+    root = Path(tempfile.gettempdir()) / f"kvexport-aoti-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    root.mkdir(parents=True, exist_ok=True)
+    fixed = root / method
+    with open(root / f"{method}.lock", "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("%s is in use by another export: compiling %s elsewhere (its bytes will differ)", fixed, method)
+            with tempfile.TemporaryDirectory(prefix=f"kvexport-aoti-{method}-") as private:
+                yield Path(private)
+            return
+        shutil.rmtree(fixed, ignore_errors=True)
+        fixed.mkdir()
+        try:
+            yield fixed
+        finally:
+            shutil.rmtree(fixed, ignore_errors=True)
 
 
 def example_inputs(specs: list[dict]) -> tuple:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from helpers import prompt_of
+from helpers import export_tiny, prompt_of
 from kvexport.cli.main import main
 from kvexport.runtime import PackageError, generate, load
 from kvexport.contract.validate import validate_package
@@ -107,3 +107,13 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
     assert result.exit_code == 1
     assert "--device cuda needs a CUDA GPU" in result.stderr
     assert not (tmp_path / "p").exists()
+
+
+def test_re_export_compiles_to_identical_bytes(tmp_path, aoti_package):
+    """The compiled code too: AOTInductor writes its compile directory into
+    the code, and each method compiles in a directory fixed by its name."""
+    again = export_tiny("tiny-qwen2", tmp_path / "again", backend="aoti").path
+    files = sorted(p.relative_to(aoti_package) for p in aoti_package.rglob("*") if p.is_file())
+    assert any(str(f).endswith(".pt2") for f in files)
+    for rel in files:
+        assert (aoti_package / rel).read_bytes() == (again / rel).read_bytes(), rel
