@@ -166,6 +166,28 @@ def validate(ctx: click.Context, package: Path, as_json: bool) -> None:
     ctx.exit(0 if report.ok else 1)
 
 
+# -------------------------------------------------------------------- diff
+@main.command()
+@click.argument("package_a", type=click.Path(path_type=Path))
+@click.argument("package_b", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON: {\"same\": bool, \"differences\": [{\"where\", \"a\", \"b\"}]}.")
+@click.pass_context
+def diff(ctx: click.Context, package_a: Path, package_b: Path, as_json: bool) -> None:
+    """What differs between two packages: methods (I/O, step widths,
+    bindings), metadata, compiled target, quantization, provenance, weights
+    tensor by tensor (dtype, shape, digest) and files. Exit 0 when they are
+    the same, 1 otherwise. Runs no code from either package."""
+    from kvexport.contract.diff import diff_packages, render
+
+    differences = diff_packages(package_a, package_b)
+    if as_json:
+        rows = [{"where": d.where, "a": d.a, "b": d.b} for d in differences]
+        click.echo(json.dumps({"same": not differences, "differences": rows}, indent=1, default=str))
+    else:
+        click.echo(render(package_a, package_b, differences))
+    ctx.exit(0 if not differences else 1)
+
+
 # ------------------------------------------------------------ trust, digest
 @main.command()
 @click.argument("package", type=click.Path(path_type=Path))

@@ -95,6 +95,12 @@ def weights_header(reader: PackageReader) -> dict:
     Read alone (8 bytes of length, then JSON), no tensor is loaded; the
     tensors' byte ranges must tile the rest of the file, as the loader
     requires."""
+    return {name: (dtype, shape) for name, (dtype, shape, _) in weights_layout(reader).items()}
+
+
+def weights_layout(reader: PackageReader) -> dict:
+    """name -> (dtype, shape, (begin, end)): each tensor's bytes as a range
+    of the file, checked as `weights_header` says."""
     path = reader.weights_path
     where = f"weights.file {path.name}"
     try:
@@ -118,7 +124,8 @@ def weights_header(reader: PackageReader) -> dict:
         if not (_ints(offsets) and len(offsets) == 2 and offsets[1] - offsets[0] == math.prod(info["shape"]) * DTYPE_BYTES[info["dtype"]]):
             raise PackageError(f"{where}: tensor {key!r:.100}: data_offsets {offsets!r:.80} do not hold its dtype and shape")
         spans.append(offsets)
-        out[key] = (SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"]), tuple(info["shape"]))
+        begin = 8 + size + offsets[0]
+        out[key] = (SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"]), tuple(info["shape"]), (begin, begin + offsets[1] - offsets[0]))
     end = 0
     for begin, stop in sorted(spans):
         if begin != end:
