@@ -7,11 +7,14 @@ Q8_0 and Q4_0 and for the packages given.
 llama.cpp is built from the vendored tree of the `llama-cpp-python==0.3.36`
 sdist (fetched from the package registry; CMake, CPU only, -march=native),
 once, in kvexport's cache directory (`$KVEXPORT_CACHE_DIR/llama.cpp-0.3.36`,
-15-25 minutes on 2 cores). The model is converted with its
-`convert_hf_to_gguf.py` to F32, then `llama-quantize` makes Q8_0 and Q4_0.
+8-25 minutes on 2 cores). The built-in SmolLM2 goes to F32 by
+`llama-quantize --allow-requantize` from its own GGUF (the values kvexport's
+fp32 model holds); another model through `convert_hf_to_gguf.py` (which
+needs sentencepiece). `llama-quantize` then makes Q8_0 and Q4_0.
 `llama-bench` gives the batch-1 decode (tg) and prompt (pp) rates,
-`llama-batched-bench` the 8-sequence aggregate. OMP_WAIT_POLICY=passive
-keeps its threads from spinning on a shared machine. Each package is
+`llama-batched-bench` the 8-sequence aggregate. `--omp-passive` sets
+OMP_WAIT_POLICY=passive, which keeps its threads from spinning on a shared
+machine (and costs it speed on a quiet one). Each package is
 measured with bench/decode.py and bench/prefill.py in the same run.
 """
 
@@ -67,22 +70,29 @@ def models(tree: Path, root: Path, model: str) -> dict[str, Path]:
     """F32, Q8_0 and Q4_0 GGUF files of `model` (converted once)."""
     out = {kind: root / f"{model}-{kind}.gguf" for kind in ("F32", "Q8_0", "Q4_0")}
     if not out["F32"].exists():
-        hf_dir = root / f"{model}-hf"
-        if not (hf_dir / "config.json").exists():
-            loaded = load_model(model)
-            loaded.model.save_pretrained(hf_dir)
-            loaded.tokenizer.save_pretrained(hf_dir)
-        run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
-             "--outfile", str(out["F32"])], capture=False, env={**os.environ, "PYTHONPATH": str(tree / "gguf-py")})
+        if model == "smollm2-135m":
+            # the GGUF kvexport's own fp32 model is dequantized from: the same values
+            from kvexport.exporter.models import _smollm2_gguf
+
+            run([str(tree / "build" / "bin" / "llama-quantize"), "--allow-requantize", str(_smollm2_gguf()),
+                 str(out["F32"]), "F32"], capture=False)
+        else:  # needs convert_hf_to_gguf.py's own requirements (sentencepiece, numpy)
+            hf_dir = root / f"{model}-hf"
+            if not (hf_dir / "config.json").exists():
+                loaded = load_model(model)
+                loaded.model.save_pretrained(hf_dir)
+                loaded.tokenizer.save_pretrained(hf_dir)
+            run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
+                 "--outfile", str(out["F32"])], capture=False, env={**os.environ, "PYTHONPATH": str(tree / "gguf-py")})
     for kind in ("Q8_0", "Q4_0"):
         if not out[kind].exists():
             run([str(tree / "build" / "bin" / "llama-quantize"), str(out["F32"]), str(out[kind]), kind], capture=False)
     return out
 
 
-def llama_rates(tree: Path, gguf: Path, threads: int) -> dict:
+def llama_rates(tree: Path, gguf: Path, threads: int, passive: bool) -> dict:
     binaries = tree / "build" / "bin"
-    env = {**os.environ, "OMP_WAIT_POLICY": "passive"}
+    env = {**os.environ, "OMP_WAIT_POLICY": "passive"} if passive else dict(os.environ)
     bench = json.loads(run([str(binaries / "llama-bench"), "-m", str(gguf), "-t", str(threads),
                             "-p", "512", "-n", "64", "-r", "3", "-o", "json"], env=env))
     rates = {("prefill_512" if r["n_prompt"] else "decode_batch1"): round(r["avg_ts"], 1) for r in bench}
@@ -111,12 +121,14 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--package", action="append", default=[], help="LABEL=PKG, measured beside llama.cpp")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--omp-passive", action="store_true",
+                        help="OMP_WAIT_POLICY=passive for llama.cpp: on a shared machine its spinning threads collapse")
     args = parser.parse_args()
     root = cache_dir() / f"llama.cpp-{VERSION}"
     tree = build(root)
     result = {"cpu": cpu_model(), "threads": args.threads, "llama.cpp": {}}
     for kind, gguf in models(tree, root, args.model).items():
-        result["llama.cpp"][kind] = llama_rates(tree, gguf, args.threads)
+        result["llama.cpp"][kind] = llama_rates(tree, gguf, args.threads, args.omp_passive)
     for item in args.package:
         label, _, path = item.partition("=")
         result[label] = ours(Path(path))
