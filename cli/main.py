@@ -83,6 +83,8 @@ def _progress(message: str) -> None:
 @click.option("--config", "recipe", help="A recipe: configs/NAME.toml, a path, or a shipped recipe's name.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe key (repeatable).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing package at the output path.")
+@click.option("--verify/--no-verify", default=None, help="Store the model's own greedy tokens on probe prompts in the package, and refuse to write a package whose runtime does not reproduce them alone and batched (default: on).")
+@click.option("--verify-tokens", type=int, help="Greedy tokens per probe prompt for --verify (default 8).")
 @click.option("--dump-graphs", type=click.Path(path_type=Path), help="Write every method's graph after each pipeline step here.")
 @click.option("--list-builtins", is_flag=True, help="List the built-in model names and exit.")
 @click.option("--list-architectures", is_flag=True, help="List the supported Hugging Face architectures and exit.")
@@ -120,7 +122,7 @@ def export(
     if output is not None:
         given["output"] = output
     spec = build_spec(recipe, given, overrides, command=["kvexport", *sys.argv[1:]])
-    result = export_package(spec, _progress, dump_graphs=dump_graphs)
+    result = export_package(spec, _progress, dump_graphs=dump_graphs, check_package=_check_package)
     if result.coverage:
         from kvexport.exporter.quantize import coverage_summary
 
@@ -130,6 +132,21 @@ def export(
         f"wrote {result.path} in {result.seconds:.1f} s: {len(result.methods)} methods, "
         f"{_mb(result.package_bytes)} = {result.size_ratio:.3f} x the weights ({_mb(result.weights_bytes)})"
     )
+
+
+def _check_package(root: Path) -> str:
+    """The exported package, run by the reference runtime on its stored
+    probes before it is placed: a line to show, or an error that refuses it."""
+    from kvexport.runtime import load
+    from kvexport.runtime.verify import check_reference
+
+    result = check_reference(load(root, trust_native_code=True))  # compiled here, this moment
+    if not result.ok:
+        raise KvexportError(
+            f"the exported package {result.summary}; it was not written. Run with --debug for the details, "
+            "or --no-verify to write it unchecked"
+        )
+    return result.summary + "".join(f"\n  note: {n}" for n in result.notes)
 
 
 def _mb(n: int) -> str:
@@ -164,6 +181,61 @@ def validate(ctx: click.Context, package: Path, as_json: bool) -> None:
     else:
         click.echo(render(report), err=not report.ok)
     ctx.exit(0 if report.ok else 1)
+
+
+# ------------------------------------------------------------------ verify
+@main.command()
+@click.argument("package", type=click.Path(path_type=Path))
+@click.option("--against", "model", metavar="MODEL", help="Compare with MODEL itself (a model directory, a .gguf file or a built-in name) instead of the package's stored reference: its greedy tokens on the same probes, in the package's dtype.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON: {\"ok\", \"summary\", \"differences\", \"notes\"}.")
+@click.option("--trust-native-code", is_flag=True, help="Run an aoti package's native code this once though it is not in the trust store.")
+@click.pass_context
+def verify(ctx: click.Context, package: Path, model: str | None, as_json: bool, trust_native_code: bool) -> None:
+    """Rerun PACKAGE's stored probe prompts with the reference runtime, alone
+    and batched, using only the package: exit 0 with one line when every
+    greedy token and the first step's best logits match, 1 naming the first
+    difference."""
+    from kvexport.runtime import load
+    from kvexport.runtime.verify import check_reference
+
+    runtime = load(package, trust_native_code=trust_native_code)
+    section, source = None, "the reference stored at export"
+    if model is not None:
+        section, source = _reference_of(runtime, model), f"{model} run by its own Hugging Face code"
+    result = check_reference(runtime, section, source)
+    if as_json:
+        click.echo(json.dumps({"ok": result.ok, "summary": result.summary, "differences": result.differences,
+                               "notes": result.notes}, indent=1))
+    else:
+        click.echo(result.summary, err=not result.ok)
+        for note in result.notes:
+            click.echo(f"  note: {note}")
+    ctx.exit(0 if result.ok else 1)
+
+
+def _reference_of(runtime, model: str):
+    """Reference tokens of `model` on the probes the package stores (or on
+    fresh ones), in the package's dtype."""
+    from kvexport.contract.sections import ReferenceSection
+    from kvexport.exporter import golden
+    from kvexport.exporter.models import load_model
+
+    manifest = runtime.package.manifest
+    if manifest.get("quantization"):
+        raise KvexportError(
+            "--against runs the model in float, and this package is quantized: their tokens are expected to differ. "
+            "Its stored reference is the quantized model: run kvexport verify PKG without --against"
+        )
+    md = runtime.package.metadata
+    loaded = load_model(model, md["dtype"])
+    stored = ReferenceSection.parse(manifest.get("reference"))
+    steps = stored.steps if stored else 8
+    fresh = golden.reference(loaded.model, loaded.tokenizer, dtype=md["dtype"], steps=steps,
+                             widest_static=max(md["forward_sizes"]), context=md["get_max_context_len"])
+    if stored is None:
+        return fresh
+    probes = [{"name": p["name"], "prompt": p["prompt"], **golden.greedy(loaded.model, p["prompt"], steps)} for p in stored.probes]
+    return ReferenceSection(steps, fresh.tie_margin, fresh.logits_atol, fresh.logits_rtol, probes, stored.batch)
 
 
 # -------------------------------------------------------------------- diff

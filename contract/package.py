@@ -23,7 +23,7 @@ import tempfile
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from kvexport.contract.errors import ExportError, PackageError
 
@@ -98,7 +98,10 @@ class PackageWriter:
             if path.is_file() and path.name != MANIFEST:
                 yield path
 
-    def commit(self, manifest: dict) -> None:
+    def commit(self, manifest: dict, check: Callable[[Path], None] | None = None) -> None:
+        """Writes the manifest, runs `check` on the finished package while it
+        is still the partial directory (it raises to refuse it: nothing is
+        placed), then places it with one rename."""
         manifest = dict(manifest)
         manifest["files"] = {
             p.relative_to(self.root).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
@@ -106,6 +109,8 @@ class PackageWriter:
         }
         (self.root / MANIFEST).write_text(dump_manifest(manifest))
         _apply_umask(self.root)
+        if check is not None:
+            check(self.root)
         if self.overwrite:
             self._replace()
         else:

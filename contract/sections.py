@@ -120,12 +120,79 @@ class QuantizationSection:
         return cls(value.get("qlinear"), group, value.get("qembedding"), coverage)
 
 
+MAX_PROBES, MAX_STEPS, MAX_PROMPT = 16, 1024, 65536
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and abs(value) != float("inf")
+
+
+@dataclass(frozen=True)
+class ReferenceSection:
+    """Greedy tokens of the source model on probe prompts (exporter/golden.py),
+    which the package must reproduce alone and batched (runtime/verify.py).
+    Each probe: name, prompt ids, `steps` greedy tokens, the reference's
+    top-2 logit margin at each step, and the first step's best logits as
+    [id, logit] pairs. `batch` names the probes run together."""
+
+    steps: int
+    tie_margin: float
+    logits_atol: float
+    logits_rtol: float
+    probes: list = field(default_factory=list)
+    batch: list = field(default_factory=list)
+    fp32_agreement: float | None = None
+
+    def to_json(self) -> dict:
+        out = {"steps": self.steps, "tie_margin": self.tie_margin, "logits_atol": self.logits_atol,
+               "logits_rtol": self.logits_rtol, "probes": list(self.probes), "batch": list(self.batch)}
+        if self.fp32_agreement is not None:
+            out["fp32_agreement"] = self.fp32_agreement
+        return out
+
+    @classmethod
+    def parse(cls, value: Any) -> "ReferenceSection | None":
+        if value is None:
+            return None
+        _need(isinstance(value, dict), "reference", "an object", value)
+        steps = value.get("steps")
+        _need(is_int(steps) and 1 <= steps <= MAX_STEPS, "reference.steps", f"an int in 1..{MAX_STEPS}", steps)
+        for key in ("tie_margin", "logits_atol", "logits_rtol"):
+            _need(_number(value.get(key)) and value[key] >= 0, f"reference.{key}", "a number >= 0", value.get(key))
+        probes = value.get("probes")
+        _need(isinstance(probes, list) and 1 <= len(probes) <= MAX_PROBES, "reference.probes", f"a list of 1..{MAX_PROBES} probes", probes)
+        names = []
+        for i, probe in enumerate(probes):
+            where = f"reference.probes[{i}]"
+            _need(isinstance(probe, dict), where, "an object", probe)
+            name = probe.get("name")
+            _need(isinstance(name, str) and 0 < len(name) <= 64 and name not in names, f"{where}.name", "a new name", name)
+            names.append(name)
+            prompt, tokens, margins, top = (probe.get(k) for k in ("prompt", "tokens", "margins", "top"))
+            _need(isinstance(prompt, list) and 0 < len(prompt) <= MAX_PROMPT and all(is_int(t) and t >= 0 for t in prompt),
+                  f"{where}.prompt", "token ids", prompt)
+            _need(isinstance(tokens, list) and len(tokens) == steps and all(is_int(t) and t >= 0 for t in tokens),
+                  f"{where}.tokens", f"{steps} token ids", tokens)
+            _need(isinstance(margins, list) and len(margins) == steps and all(_number(m) and m >= 0 for m in margins),
+                  f"{where}.margins", f"{steps} numbers >= 0", margins)
+            _need(isinstance(top, list) and 0 < len(top) <= 16 and all(
+                isinstance(pair, list) and len(pair) == 2 and is_int(pair[0]) and pair[0] >= 0 and _number(pair[1]) for pair in top),
+                f"{where}.top", "[id, logit] pairs", top)
+        batch = value.get("batch", [])
+        _need(isinstance(batch, list) and all(b in names for b in batch) and len(set(batch)) == len(batch),
+              "reference.batch", "names of probes", batch)
+        agreement = value.get("fp32_agreement")
+        _need(agreement is None or (_number(agreement) and 0 <= agreement <= 1), "reference.fp32_agreement", "a share in 0..1", agreement)
+        return cls(steps, value["tie_margin"], value["logits_atol"], value["logits_rtol"], probes, batch, agreement)
+
+
 SECTIONS = {
     "contract": ContractRef.parse,
     "weights": WeightsSection.parse,
     "tokenizer": TokenizerSection.parse,
     "backend": BackendSection.parse,
     "quantization": QuantizationSection.parse,
+    "reference": ReferenceSection.parse,
 }
 
 

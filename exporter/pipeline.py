@@ -21,6 +21,7 @@ and dumps every method's graph after the steps that change graphs
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import importlib.metadata
 import logging
@@ -38,7 +39,10 @@ from kvexport.contract import manifest as mf
 from kvexport.contract import torch_compat, trust
 from kvexport.contract.errors import ExportError
 from kvexport.contract.package import PackageWriter, check_output
-from kvexport.contract.sections import BackendSection, ContractRef, QuantizationSection, TokenizerSection, WeightsSection
+from kvexport.contract.sections import (
+    BackendSection, ContractRef, QuantizationSection, ReferenceSection, TokenizerSection, WeightsSection,
+)
+from kvexport.exporter import golden
 from kvexport.exporter.backends import Backend, CompileContext, get_backend
 from kvexport.exporter.forwards import CACHE_BUFFER
 from kvexport.exporter.models import LoadedModel, load_model
@@ -76,6 +80,9 @@ class ExportState:
     writer: PackageWriter | None = None
     methods: dict[str, dict] = field(default_factory=dict)
     tokenizer: TokenizerSection | None = None
+    reference: ReferenceSection | None = None
+    fp32_tokens: dict[str, list[int]] | None = None
+    check_package: Callable[[Path], str] | None = None
     result: "ExportResult | None" = None
 
 
@@ -111,6 +118,36 @@ def quantize(state: ExportState) -> None:
     for row in state.coverage:
         if row["module"] in inner:
             row["stored"] = inner[row["module"]]  # tensors for now: named once weights are gathered
+
+
+@step("reference (float)")
+def reference_float(state: ExportState) -> None:
+    """A quantized package's reference is the quantized model; the float
+    model's tokens are kept to record how often the two agree."""
+    spec = state.spec
+    if spec.verify and (spec.qlinear or spec.qembedding):
+        section = _reference(state)
+        state.fp32_tokens = {p["name"]: p["tokens"] for p in section.probes}
+
+
+@step("reference")
+def reference_tokens(state: ExportState) -> None:
+    if not state.spec.verify:
+        return
+    state.reference = _reference(state)
+    if state.fp32_tokens is not None:
+        agree = golden.agreement(state.reference, state.fp32_tokens)
+        state.reference = dataclasses.replace(state.reference, fp32_agreement=agree)
+        state.progress(f"reference: the quantized model agrees with the float model on {agree:.1%} of greedy tokens")
+
+
+def _reference(state: ExportState) -> ReferenceSection:
+    spec, loaded = state.spec, state.loaded
+    config = loaded.model.config.get_text_config()
+    native = getattr(config, "max_position_embeddings", None) or 4096
+    context = min(native, spec.max_context_len or native)
+    return golden.reference(loaded.model, loaded.tokenizer, dtype=spec.dtype, steps=spec.verify_tokens,
+                            widest_static=max(spec.forward_sizes), context=context, progress=state.progress)
 
 
 @step("build forward")
@@ -213,6 +250,8 @@ def commit(state: ExportState) -> None:
         "tokenizer": state.tokenizer.to_json() if state.tokenizer else None,
         "provenance": provenance(spec, state.loaded),
     }
+    if state.reference is not None:
+        manifest["reference"] = state.reference.to_json()
     if state.coverage:
         manifest["quantization"] = QuantizationSection(
             spec.qlinear or None, spec.qlinear_group_size or None, spec.qembedding or None, state.coverage
@@ -220,7 +259,11 @@ def commit(state: ExportState) -> None:
     mf.require(mf.check_manifest({**manifest, "files": {}}), "the exporter built an invalid manifest")
     weights_bytes = sum(t.numel() * t.element_size() for t in state.tensors.values())
     package_bytes = sum(p.stat().st_size for p in writer.files())
-    writer.commit(manifest)
+    check = None
+    if state.reference is not None and state.check_package is not None:
+        def check(root: Path) -> None:
+            state.progress(f"verify: {state.check_package(root)}")
+    writer.commit(manifest, check=check)
     package_bytes += (Path(spec.output) / "manifest.json").stat().st_size
     if any("compiled" in entry for entry in state.methods.values()):
         # this user compiled it on this machine: its native code is theirs
@@ -229,7 +272,7 @@ def commit(state: ExportState) -> None:
 
 
 STEPS = [
-    load, quantize, build_forward_step, plan, trace, caller_passes, backend_passes, partition_and_lower_step,
+    load, reference_float, quantize, reference_tokens, build_forward_step, plan, trace, caller_passes, backend_passes, partition_and_lower_step,
     reserve_constant_names_step, gather, write, compile_methods, commit,
 ]
 
@@ -241,9 +284,13 @@ def export_package(
     transform_passes: Sequence[Pass] = (),
     partitioners: Sequence[Partitioner] | None = None,
     dump_graphs: str | Path | None = None,
+    check_package: Callable[[Path], str] | None = None,
 ) -> ExportResult:
     """Runs STEPS over one export state. `partitioners` replaces the
-    backend's own (tests and experiments)."""
+    backend's own (tests and experiments). `check_package(root)` runs the
+    finished package before it is placed (the CLI passes the runtime's
+    reference check, which the exporter may not import): it returns a line
+    to show, or raises to refuse the package."""
     start = time.perf_counter()
     spec.validate()
     check_output(Path(spec.output), spec.overwrite)  # a bad -o fails now, not after the tracing
@@ -252,6 +299,7 @@ def export_package(
     with contextlib.ExitStack() as stack:
         chosen = list(partitioners) if partitioners is not None else backend.partitioners(spec)
         state = ExportState(spec, progress, list(transform_passes), backend, chosen, stack)
+        state.check_package = check_package
         for run in STEPS:
             began = time.perf_counter()
             run(state)

@@ -42,6 +42,8 @@ class ExportSpec:
     device: str = "cpu"  # aoti: the device the methods are compiled for
     compile_workers: int = 0  # aoti: parallel compile processes (0: one per core, at most one per method)
     overwrite: bool = False
+    verify: bool = True  # store reference tokens and check the package reproduces them before it is written
+    verify_tokens: int = 8  # greedy tokens per probe
     # filled in by the CLI for provenance, not a recipe key
     command: list[str] = field(default_factory=list, metadata={"recipe": False})
 
@@ -113,6 +115,10 @@ class ExportSpec:
                 f"--device {self.device} is not one --backend {self.backend} compiles for ({', '.join(backend.devices)}); "
                 f"use --backend aoti for cuda"
             )
+        if not isinstance(self.verify, bool):
+            raise SpecError(f"verify must be true or false, got {self.verify!r}")
+        if not _is_int(self.verify_tokens) or not 1 <= self.verify_tokens <= 256:
+            raise SpecError(f"--verify-tokens must be in 1..256, got {self.verify_tokens!r}")
         if not _is_int(self.compile_workers) or self.compile_workers < 0:
             raise SpecError(f"--compile-workers must be >= 0 (0: one per core), got {self.compile_workers!r}")
         return self

@@ -13,10 +13,11 @@ TINY = ("tiny-llama", "tiny-qwen2")
 TINY_LAYOUT = dict(forward_sizes="1,2,4,8", max_step_tokens=24, max_cells=512)
 
 
-def export_tiny(model: str, out, **overrides):
+def export_tiny(model: str, out, *, check_package=None, transform_passes=(), **overrides):
     flags = dict(model=model, output=str(out), use_offgraph_kv_cache=True, **TINY_LAYOUT)
     flags.update(overrides)
-    return export_package(build_spec(flags=flags), progress=lambda message: None)
+    return export_package(build_spec(flags=flags), progress=lambda message: None, check_package=check_package,
+                          transform_passes=transform_passes)
 
 
 def prompt_of(length: int, seed: int, vocab: int = 1031) -> list[int]:

@@ -1,0 +1,96 @@
+"""Reference tokens stored in the package at export: the source model, run
+eagerly by its own Hugging Face code in the export's dtype (quantized as the
+package is), greedy on a few probe prompts. The package's runtime reruns
+them alone and batched (runtime/verify.py, `kvexport verify`), so a package
+proves it still computes its model, not only that it keeps its contract.
+
+Probes: the model's chat template on a question (fixed ids when the model
+has no tokenizer), a prompt wider than the widest static method (so
+forward_others and slicing run), and a short one; the three also run
+together as one batch. Each probe keeps its prompt, the greedy tokens, the
+margin between the two best logits at each step (a differing token where
+the margin is below `tie_margin` is a near-tie, not a failure), and the
+five best logits of the first step.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+
+from kvexport.contract.sections import ReferenceSection
+
+QUESTION = "What is the capital of France?"
+TOP = 5
+# (tie margin, logit tolerance: atol, rtol) by dtype: the package computes the
+# same function with other kernels, so its logits differ in rounding
+TOLERANCES = {"fp32": (0.05, 1e-2, 1e-3), "bf16": (0.5, 0.25, 2e-2)}
+
+
+def probe_prompts(tokenizer: Any, vocab_size: int, widest_static: int, room: int) -> dict[str, list[int]]:
+    """name -> prompt ids, each leaving `room` positions free."""
+    gen = torch.Generator().manual_seed(20261130)
+    high = max(4, min(vocab_size, 4096))
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, high, (max(1, n),), generator=gen).tolist()
+
+    chat = None
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True)
+        if isinstance(chat, dict) or hasattr(chat, "input_ids"):
+            chat = chat["input_ids"]
+        chat = [int(t) for t in chat]
+    elif tokenizer is not None:
+        chat = [int(t) for t in tokenizer(QUESTION)["input_ids"]]
+    prompts = {"chat": chat or ids(12), "wide": ids(widest_static + 3), "short": ids(3)}
+    return {name: p[-room:] for name, p in prompts.items()}
+
+
+@torch.no_grad()
+def greedy(model: Any, prompt: list[int], steps: int) -> dict[str, Any]:
+    """Greedy tokens from the model's raw logits (no generation-config
+    processors), with each step's top-2 margin and the first step's best
+    logits."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cache = DynamicCache(config=model.config)  # filled in place, step by step
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    feed = torch.tensor([prompt], device=device)
+    tokens, margins, top = [], [], []
+    for step in range(steps):
+        out = model(feed, use_cache=True, **{name: cache})
+        logits = out.logits[0, -1].float().cpu()
+        best = torch.topk(logits, TOP)
+        if step == 0:
+            top = [[int(i), round(float(v), 5)] for v, i in zip(best.values, best.indices)]
+        margins.append(round(float(best.values[0] - best.values[1]), 5))
+        tokens.append(int(best.indices[0]))
+        feed = torch.tensor([[tokens[-1]]], device=device)
+    return {"tokens": tokens, "margins": margins, "top": top}
+
+
+def reference(model: Any, tokenizer: Any, *, dtype: str, steps: int, widest_static: int, context: int,
+              progress: Callable[[str], None] = lambda message: None) -> ReferenceSection:
+    vocab = int(model.config.get_text_config().vocab_size)
+    room = max(1, context - steps)
+    prompts = probe_prompts(tokenizer, vocab, widest_static, room)
+    probes = []
+    for name, prompt in prompts.items():
+        progress(f"reference tokens: probe {name} ({len(prompt)} prompt tokens, {steps} greedy)")
+        probes.append({"name": name, "prompt": prompt, **greedy(model, prompt, steps)})
+    tie, atol, rtol = TOLERANCES[dtype]
+    return ReferenceSection(steps, tie, atol, rtol, probes, [p["name"] for p in probes])
+
+
+def agreement(a: ReferenceSection, tokens_by_probe: dict[str, list[int]]) -> float:
+    """Share of reference tokens another model's greedy run agrees with."""
+    total = same = 0
+    for probe in a.probes:
+        other = tokens_by_probe[probe["name"]]
+        total += len(probe["tokens"])
+        same += sum(x == y for x, y in zip(probe["tokens"], other))
+    return round(same / total, 4) if total else 1.0
