@@ -85,6 +85,7 @@ def _progress(message: str) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing package at the output path.")
 @click.option("--verify/--no-verify", default=None, help="Store the model's own greedy tokens on probe prompts in the package, and refuse to write a package whose runtime does not reproduce them alone and batched (default: on).")
 @click.option("--verify-tokens", type=int, help="Greedy tokens per probe prompt for --verify (default 8).")
+@click.option("--report", type=click.Path(path_type=Path), help="Write a JSON report here, also when the export fails: ok, error, the command, each step's time and peak memory, sizes, quantization coverage and the verification result.")
 @click.option("--dump-graphs", type=click.Path(path_type=Path), help="Write every method's graph after each pipeline step here.")
 @click.option("--list-builtins", is_flag=True, help="List the built-in model names and exit.")
 @click.option("--list-architectures", is_flag=True, help="List the supported Hugging Face architectures and exit.")
@@ -95,6 +96,7 @@ def export(
     output: str | None,
     recipe: str | None,
     overrides: tuple[str, ...],
+    report: Path | None,
     dump_graphs: Path | None,
     list_builtins: bool,
     list_architectures: bool,
@@ -121,8 +123,23 @@ def export(
         given["model"] = model
     if output is not None:
         given["output"] = output
-    spec = build_spec(recipe, given, overrides, command=["kvexport", *sys.argv[1:]])
-    result = export_package(spec, _progress, dump_graphs=dump_graphs, check_package=_check_package)
+    command = ["kvexport", *sys.argv[1:]]
+    steps: list = []
+    try:
+        spec = build_spec(recipe, given, overrides, command=command)
+        result = export_package(spec, _progress, dump_graphs=dump_graphs, check_package=_check_package, steps=steps)
+    except BaseException as e:
+        if report is not None:
+            _write_report(report, {"ok": False, "error": f"{type(e).__name__}: {e}", "command": command, "steps": steps})
+        raise
+    if report is not None:
+        _write_report(report, {
+            "ok": True, "error": None, "command": command, "package": str(result.path), "seconds": round(result.seconds, 2),
+            "steps": result.steps, "methods": result.methods,
+            "sizes": {"package_bytes": result.package_bytes, "weights_bytes": result.weights_bytes,
+                      "package_over_weights": round(result.size_ratio, 4)},
+            "coverage": result.coverage, "verification": result.verification,
+        })
     if result.coverage:
         from kvexport.exporter.quantize import coverage_summary
 
@@ -132,6 +149,13 @@ def export(
         f"wrote {result.path} in {result.seconds:.1f} s: {len(result.methods)} methods, "
         f"{_mb(result.package_bytes)} = {result.size_ratio:.3f} x the weights ({_mb(result.weights_bytes)})"
     )
+
+
+def _write_report(path: Path, content: dict) -> None:
+    try:
+        path.write_text(json.dumps(content, indent=1, default=str) + "\n")
+    except OSError as e:
+        raise KvexportError(f"--report {path}: cannot write it ({e.strerror or e})") from None
 
 
 def _check_package(root: Path) -> str:

@@ -83,6 +83,7 @@ class ExportState:
     reference: ReferenceSection | None = None
     fp32_tokens: dict[str, list[int]] | None = None
     check_package: Callable[[Path], str] | None = None
+    verification: str | None = None
     result: "ExportResult | None" = None
 
 
@@ -262,7 +263,8 @@ def commit(state: ExportState) -> None:
     check = None
     if state.reference is not None and state.check_package is not None:
         def check(root: Path) -> None:
-            state.progress(f"verify: {state.check_package(root)}")
+            state.verification = state.check_package(root)
+            state.progress(f"verify: {state.verification}")
     writer.commit(manifest, check=check)
     package_bytes += (Path(spec.output) / "manifest.json").stat().st_size
     if any("compiled" in entry for entry in state.methods.values()):
@@ -285,13 +287,17 @@ def export_package(
     partitioners: Sequence[Partitioner] | None = None,
     dump_graphs: str | Path | None = None,
     check_package: Callable[[Path], str] | None = None,
+    steps: list | None = None,
 ) -> ExportResult:
-    """Runs STEPS over one export state. `partitioners` replaces the
-    backend's own (tests and experiments). `check_package(root)` runs the
+    """Runs STEPS over one export state, recording each step's time and
+    peak memory in `steps` (a list the caller may pass, so that it holds
+    them when a step fails). `partitioners` replaces the backend's own
+    (tests and experiments). `check_package(root)` runs the
     finished package before it is placed (the CLI passes the runtime's
     reference check, which the exporter may not import): it returns a line
     to show, or raises to refuse the package."""
     start = time.perf_counter()
+    steps = [] if steps is None else steps
     spec.validate()
     check_output(Path(spec.output), spec.overwrite)  # a bad -o fails now, not after the tracing
     backend = get_backend(spec.backend)
@@ -302,12 +308,27 @@ def export_package(
         state.check_package = check_package
         for run in STEPS:
             began = time.perf_counter()
-            run(state)
+            try:
+                run(state)
+            finally:
+                steps.append({"step": run.title, "seconds": round(time.perf_counter() - began, 3), **peak_rss_mb()})
             progress(f"{run.title}: {time.perf_counter() - began:.1f} s")
             if run.dump:
                 dump(run.dump, state.programs)
     state.result.seconds = time.perf_counter() - start
+    state.result.steps = steps
+    state.result.verification = state.verification
     return state.result
+
+
+def peak_rss_mb() -> dict[str, float]:
+    """Peak resident memory so far of this process and of its finished
+    children (the compile workers), in MB."""
+    import resource
+
+    scale = 1 / 1024 if platform.system() != "Darwin" else 1 / 2**20  # KiB on Linux, bytes on macOS
+    return {"peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale, 1),
+            "peak_rss_children_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale, 1)}
 
 
 @dataclass
@@ -318,6 +339,8 @@ class ExportResult:
     weights_bytes: int
     seconds: float
     coverage: list | None = None
+    steps: list = field(default_factory=list)  # {"step", "seconds", "peak_rss_mb", "peak_rss_children_mb"}
+    verification: str | None = None  # the package's reference check, when it ran
 
     @property
     def size_ratio(self) -> float:
@@ -488,18 +511,24 @@ def provenance(spec: ExportSpec, loaded: LoadedModel) -> dict[str, Any]:
     return out
 
 
+# options whose value is where this run writes, not what the package is
+_WHERE = {"-o": "PKG", "--output": "PKG", "--report": "FILE", "--dump-graphs": "DIR"}
+
+
 def _without_output(command: list[str]) -> list[str]:
-    """The command line with the output directory's value replaced by PKG."""
-    out, skip = [], False
+    """The command line with the output directory, report and graph dump
+    paths replaced by PKG, FILE and DIR."""
+    out, placeholder = [], None
     for arg in command:
-        if skip:
-            out.append("PKG")
-            skip = False
-        elif arg in ("-o", "--output"):
+        name, eq, _ = arg.partition("=")
+        if placeholder:
+            out.append(placeholder)
+            placeholder = None
+        elif arg in _WHERE:
             out.append(arg)
-            skip = True
-        elif arg.startswith("--output="):
-            out.append("--output=PKG")
+            placeholder = _WHERE[arg]
+        elif eq and name in _WHERE:
+            out.append(f"{name}={_WHERE[name]}")
         elif arg.startswith("-o") and len(arg) > 2:
             out.append("-oPKG")
         else:

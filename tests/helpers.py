@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvexport.cli.main import _check_package
 from kvexport.exporter.pipeline import export_package
 from kvexport.exporter.spec import build_spec
 from kvexport.runtime.verify import hf_greedy  # noqa: F401  (re-exported for the tests)
@@ -13,7 +14,9 @@ TINY = ("tiny-llama", "tiny-qwen2")
 TINY_LAYOUT = dict(forward_sizes="1,2,4,8", max_step_tokens=24, max_cells=512)
 
 
-def export_tiny(model: str, out, *, check_package=None, transform_passes=(), **overrides):
+def export_tiny(model: str, out, *, check_package=_check_package, transform_passes=(), **overrides):
+    """Exports as the CLI does: the package must reproduce its reference
+    tokens (unless verify=False) before it is written."""
     flags = dict(model=model, output=str(out), use_offgraph_kv_cache=True, **TINY_LAYOUT)
     flags.update(overrides)
     return export_package(build_spec(flags=flags), progress=lambda message: None, check_package=check_package,

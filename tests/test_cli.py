@@ -139,3 +139,21 @@ def test_generate_errors(cli_package, tmp_path):
     expect_error(run("generate", str(tmp_path / "none"), "--prompt-ids", "1"), "no such package")
     expect_error(run("generate", str(cli_package), "--prompt-ids", "1,99999"), "outside the vocabulary")
     expect_error(run("generate", str(cli_package), "--prompt-ids", "1,2", "--top-p", "0"), "--top-p")
+
+
+def test_export_report_for_ci(tmp_path):
+    report = tmp_path / "report.json"
+    result = CliRunner().invoke(main, ["export", "tiny-qwen2", "-o", str(tmp_path / "pkg"), "--use-offgraph-kv-cache",
+                                       "--forward-sizes", "1,4", "--max-step-tokens", "16", "--report", str(report)])
+    assert result.exit_code == 0, result.output
+    info = json.loads(report.read_text())
+    assert info["ok"] is True and info["error"] is None and info["command"][:3] == ["kvexport", "export", "tiny-qwen2"]
+    steps = [s["step"] for s in info["steps"]]
+    assert steps[0] == "load" and steps[-1] == "commit" and all(s["peak_rss_mb"] > 0 for s in info["steps"])
+    assert info["sizes"]["package_bytes"] > info["sizes"]["weights_bytes"] > 0
+    assert info["verification"].startswith("verified: 3 probes")
+    failed = CliRunner().invoke(main, ["export", "tiny-qwen2", "-o", str(tmp_path / "pkg"), "--use-offgraph-kv-cache",
+                                       "--report", str(report)])  # the package exists: no --overwrite
+    assert failed.exit_code == 1
+    info = json.loads(report.read_text())
+    assert info["ok"] is False and "exists" in info["error"]
