@@ -10,6 +10,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -68,11 +69,36 @@ def load_model(source: str, dtype: str = "fp32", progress: Callable[[str], None]
         return dataclasses.replace(loaded, gguf=path)
     if path.exists():
         raise ModelError(f"{source}: expected a Hugging Face model directory or a .gguf file")
+    if _REPO_ID.fullmatch(source):
+        snapshot = _from_hf_cache(source)
+        return _load_directory(snapshot, dtype, {"hf_repo": source, "revision": snapshot.name})
     if os.sep in source or source.startswith("."):
         raise ModelError(f"{source}: no such file or directory")
     raise ModelError(
         f"{source!r} is neither a path nor a built-in model; built-ins: {', '.join(sorted(BUILTINS))}"
     )
+
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def _from_hf_cache(repo_id: str) -> Path:
+    """The snapshot of `repo_id` (its `main` revision) in the local Hugging
+    Face cache. Nothing is downloaded: a model not there is an error that
+    says where kvexport looked."""
+    from huggingface_hub import constants, snapshot_download
+
+    # read now, not at huggingface_hub's import: a caller may have set them since
+    home = os.environ.get("HF_HOME")
+    cache = os.environ.get("HF_HUB_CACHE") or (os.path.join(home, "hub") if home else constants.HF_HUB_CACHE)
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True, cache_dir=cache))
+    except Exception as e:  # huggingface_hub's not-found errors differ between versions
+        raise ModelError(
+            f"{repo_id}: not a local directory, and not in the Hugging Face cache at {cache} "
+            f"({type(e).__name__}). kvexport downloads nothing: fetch it first (huggingface-cli download {repo_id}), "
+            "set HF_HUB_CACHE or HF_HOME to the cache that holds it, or pass the model's directory"
+        ) from None
 
 
 def _load_tiny(name: str, dtype: str) -> LoadedModel:

@@ -90,3 +90,17 @@ def test_pickled_weights_are_refused(tmp_path):
 def test_directory_without_config(tmp_path):
     with pytest.raises(ModelError, match="no config.json"):
         load_model(str(tmp_path))
+
+
+def test_model_ids_resolve_through_the_local_hf_cache(tmp_path, monkeypatch):
+    repo = tmp_path / "hub" / "models--acme--tiny-chat"
+    load_model("tiny-llama").model.save_pretrained(repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    loaded = load_model("acme/tiny-chat")
+    source = loaded.provenance["source"]
+    assert source["hf_repo"] == "acme/tiny-chat" and source["revision"] == "0123abcd" and "config.json" in source["files"]
+    with pytest.raises(ModelError, match=r"acme/missing: not a local directory, and not in the Hugging Face cache at .*hub"):
+        load_model("acme/missing")
