@@ -21,37 +21,23 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from kvexport.passes.base import RewritePass, arguments, emit, static_rows
-from kvexport.passes.weight_stationary_linear import _plain_weight
+from kvexport.passes.base import emit
+from kvexport.passes.weight_stationary_linear import Fp32LinearRewrite
 
 aten = torch.ops.aten
 
 
-class ReductionLinearPass(RewritePass):
+class ReductionLinearPass(Fp32LinearRewrite):
     name = "reduction_linear"
     leftover = "fp32 linears with few rows left on the BLAS"
 
     def __init__(self, max_rows: int):
         import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
 
-        self.max_rows = max_rows
-
-    def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
-        found = []
-        for node in graph_module.graph.nodes:
-            if node.target is not aten.linear.default:
-                continue
-            given = arguments(node)
-            rows = static_rows(given["input"])
-            if _plain_weight(given["weight"]) and rows is not None and 1 <= rows <= self.max_rows:
-                found.append(node)
-        return found
+        super().__init__(max_rows)
 
     def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
-        given = arguments(node)
-        x, weight, bias = given["input"], given["weight"], given.get("bias")
-        lead, width = list(x.meta["val"].shape[:-1]), x.meta["val"].shape[-1]
-        rows, out_features = static_rows(x), weight.meta["val"].shape[0]
+        x, weight, bias, lead, width, rows, out_features = self.parts(node)
 
         def op(target, *args, **kwargs):
             return emit(graph, node, target, *args, **kwargs)

@@ -33,29 +33,44 @@ def _plain_weight(node: torch.fx.Node) -> bool:
     return type(val) is FakeTensor and val.dim() == 2 and val.dtype == torch.float32
 
 
-class WeightStationaryLinearPass(RewritePass):
-    name = "weight_stationary_linear"
-    leftover = "linears left in the row-major layout"
+def fp32_linears(graph_module: torch.fx.GraphModule, max_rows: int) -> list[torch.fx.Node]:
+    """The linears over a 2-D fp32 weight with a static count of 1..max_rows rows."""
+    found = []
+    for node in graph_module.graph.nodes:
+        if node.target is not _LINEAR:
+            continue
+        given = arguments(node)
+        rows = static_rows(given["input"])
+        if _plain_weight(given["weight"]) and rows is not None and 1 <= rows <= max_rows:
+            found.append(node)
+    return found
+
+
+class Fp32LinearRewrite(RewritePass):
+    """Rewrites every fp32 linear over 1..max_rows static rows; `parts`
+    gives a rewrite what it needs of one."""
 
     def __init__(self, max_rows: int = 8):
         self.max_rows = max_rows
 
     def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
-        found = []
-        for node in graph_module.graph.nodes:
-            if node.target is not _LINEAR:
-                continue
-            given = arguments(node)
-            rows = static_rows(given["input"])
-            if _plain_weight(given["weight"]) and rows is not None and 1 <= rows <= self.max_rows:
-                found.append(node)
-        return found
+        return fp32_linears(graph_module, self.max_rows)
+
+    @staticmethod
+    def parts(node: torch.fx.Node) -> tuple:
+        """(x, weight, bias, leading dims, width, rows, out_features)."""
+        given = arguments(node)
+        x, weight = given["input"], given["weight"]
+        lead, width = list(x.meta["val"].shape[:-1]), x.meta["val"].shape[-1]
+        return x, weight, given.get("bias"), lead, width, static_rows(x), weight.meta["val"].shape[0]
+
+
+class WeightStationaryLinearPass(Fp32LinearRewrite):
+    name = "weight_stationary_linear"
+    leftover = "linears left in the row-major layout"
 
     def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
-        given = arguments(node)
-        x, weight, bias = given["input"], given["weight"], given.get("bias")
-        lead, width = list(x.meta["val"].shape[:-1]), x.meta["val"].shape[-1]
-        rows, out_features = static_rows(x), weight.meta["val"].shape[0]
+        x, weight, bias, lead, width, rows, out_features = self.parts(node)
         flat = emit(graph, node, aten.reshape.default, x, [rows, width])
         if rows == 1:
             flat = emit(graph, node, aten.constant_pad_nd.default, flat, [0, 0, 0, 1])
