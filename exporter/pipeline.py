@@ -4,7 +4,9 @@ and dumps every method's graph after the steps that change graphs
 (`--dump-graphs DIR`: DIR/<method>/<n>-<step>.txt).
 
     load                    the model (and tokenizer) from its source
-    quantize                torchao, when --qlinear / --qembedding ask
+    reference (float)       a quantized export's float greedy tokens (for fp32_agreement)
+    quantize                when --qlinear / --qembedding ask
+    reference               the model's own greedy tokens on the probe prompts (golden.py)
     build_forward           the contract's forward module and its metadata
     plan                    each method: module, example inputs, I/O specs
     trace                   torch.export, each method          (dumped)
@@ -15,7 +17,8 @@ and dumps every method's graph after the steps that change graphs
     gather_weights          one copy of every tensor, tied ones once
     write                   weights, programs, tokenizer, into a partial dir
     compile                 the backend's compile hook (aoti: AOTInductor)
-    commit                  the manifest, checked, then one rename into place
+    commit                  the manifest, checked; the package verified against its
+                            reference (the CLI's check), then one rename into place
 """
 
 from __future__ import annotations
