@@ -72,7 +72,7 @@ def offgraph_attention(
     if softcap is None:
         # strided views straight into the pools ([1, H_kv, C, D]); sdpa reads
         # them without a copy and never materializes the [H, T, C] scores
-        # (bench/attention_kernels.py: 2-4.5 x faster than the products below at 512-2048 tokens)
+        # (bench/attention_kernels.py: 1.7-4.7 x faster than the products below at 128-2048 tokens)
         k = k_pool.permute(1, 0, 2).unsqueeze(0).to(query.dtype)
         v = v_pool.permute(1, 0, 2).unsqueeze(0).to(query.dtype)
         out = F.scaled_dot_product_attention(
