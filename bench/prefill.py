@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--package", required=True, type=Path)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="Also print each run's top operators (torch.profiler self time, ms).")
     args = parser.parse_args()
     manifest = json.loads((args.package / "manifest.json").read_text())
     source = manifest["provenance"]["source"]
@@ -47,7 +48,9 @@ def main() -> None:
 
     n = args.prompt_len
     ours_s, full_s, last_s = (best_of(f, args.repeats) for f in (ours, hf_full, hf_last))
+    profiles = {name: top_operators(f) for name, f in (("package", ours), ("hf_last_row", hf_last))} if args.profile else None
     emit({
+        "profile_self_ms": profiles,
         "package": str(args.package),
         "backend": manifest.get("backend", {}).get("id", "portable"),
         "prompt_len": n,
@@ -57,6 +60,15 @@ def main() -> None:
         "ratio_over_hf_forward": round(full_s / ours_s, 3),
         "ratio_over_hf_last_row": round(last_s / ours_s, 3),
     })
+
+
+def top_operators(fn, count: int = 8) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:count]
+    return {e.key: round(e.self_cpu_time_total / 1e3, 1) for e in events}
 
 
 if __name__ == "__main__":
