@@ -253,13 +253,12 @@ def _reference_of(runtime, model: str):
     md = runtime.package.metadata
     loaded = load_model(model, md["dtype"])
     stored = ReferenceSection.parse(manifest.get("reference"))
-    steps = stored.steps if stored else 8
-    fresh = golden.reference(loaded.model, loaded.tokenizer, dtype=md["dtype"], steps=steps,
-                             widest_static=max(md["forward_sizes"]), context=md["get_max_context_len"])
     if stored is None:
-        return fresh
-    probes = [{"name": p["name"], "prompt": p["prompt"], **golden.greedy(loaded.model, p["prompt"], steps)} for p in stored.probes]
-    return ReferenceSection(steps, fresh.tie_margin, fresh.logits_atol, fresh.logits_rtol, probes, stored.batch)
+        return golden.reference(loaded.model, loaded.tokenizer, dtype=md["dtype"], steps=8,
+                                widest_static=max(md["forward_sizes"]), context=md["get_max_context_len"])
+    probes = [{"name": p["name"], "prompt": p["prompt"], **golden.greedy(loaded.model, p["prompt"], stored.steps)}
+              for p in stored.probes]
+    return ReferenceSection(stored.steps, *golden.TOLERANCES[md["dtype"]], probes, stored.batch)
 
 
 # -------------------------------------------------------------------- diff

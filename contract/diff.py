@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvexport.contract.errors import PackageError
 from kvexport.contract.package import PackageReader, sha256_file
 from kvexport.contract.validate import weights_layout
 
@@ -34,7 +35,10 @@ def diff_packages(a: Path, b: Path) -> list[Difference]:
     out: list[Difference] = []
     ma = {k: v for k, v in ra.manifest.items() if k not in _BY_CONTENT}
     mb = {k: v for k, v in rb.manifest.items() if k not in _BY_CONTENT}
-    _walk("", ma, mb, out)
+    try:
+        _walk("", ma, mb, out)
+    except RecursionError:
+        raise PackageError(f"{a} or {b}: a manifest nested deeper than any package's") from None
     out += _weights(ra, rb)
     out += _files(ra, rb)
     return out

@@ -82,7 +82,7 @@ def offgraph_attention(
     return _attend_softcapped(query, k_pool, v_pool, state.masks[window], scaling, softcap), None
 
 
-def _attend_softcapped(query, k_pool, v_pool, mask, scaling, softcap) -> tuple[torch.Tensor, None]:
+def _attend_softcapped(query, k_pool, v_pool, mask, scaling, softcap) -> torch.Tensor:
     """Attention with logit soft-capping (Gemma 2), which sdpa lacks: the
     scores as products over the pools, capped, masked and normalized."""
     heads, tokens, head_dim = query.shape[1:]

@@ -16,7 +16,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import platform
 import tempfile
 import time
@@ -64,6 +63,7 @@ def choose_rows(rates: dict[str, dict[int, float]]) -> int:
 
 def measure() -> dict[str, dict[int, float]]:
     import torch
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
     weights = [torch.randn(SHAPE) for _ in range(LAYERS)]
 
@@ -75,7 +75,9 @@ def measure() -> dict[str, dict[int, float]]:
         return [(x[:, None, :] * w[None]).sum(-1) for w in weights]
 
     rates: dict[str, dict[int, float]] = {"blas": {}, "reduction": {}}
-    with _fresh_inductor_cache():
+    # a fresh inductor cache: torch.compile's does not key on the instruction
+    # set (ATEN_CPU_CAPABILITY), and code rebuilt from it for AVX2 summed wrong
+    with tempfile.TemporaryDirectory(prefix="kvexport-probe-") as fresh, temporary_cache_dir(fresh):
         compiled = torch.compile(reduction, dynamic=False)
         for rows in PROBE_ROWS:
             x = torch.randn(rows, SHAPE[1])
@@ -96,23 +98,6 @@ def _best_seconds(fn, repeats: int = 5) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-@contextlib.contextmanager
-def _fresh_inductor_cache():
-    """torch.compile's cache does not key on the instruction set: code
-    generated for AVX-512 was rebuilt for AVX2 from it and summed wrong
-    (torch 2.13, ATEN_CPU_CAPABILITY=avx2). The probe compiles in a fresh one."""
-    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    with tempfile.TemporaryDirectory(prefix="kvexport-probe-") as fresh:
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh
-        try:
-            yield
-        finally:
-            if old is None:
-                os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
-            else:
-                os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
 
 
 def _machine() -> dict:
