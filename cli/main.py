@@ -85,7 +85,8 @@ def _progress(message: str) -> None:
 @click.option("--overwrite", is_flag=True, help="Replace an existing package at the output path.")
 @click.option("--verify/--no-verify", default=None, help="Store the model's own greedy tokens on probe prompts in the package, and refuse to write a package whose runtime does not reproduce them alone and batched (default: on).")
 @click.option("--verify-tokens", type=int, help="Greedy tokens per probe prompt for --verify (default 8).")
-@click.option("--report", type=click.Path(path_type=Path), help="Write a JSON report here, also when the export fails: ok, error, the command, each step's time and peak memory, sizes, quantization coverage and the verification result.")
+@click.option("--max-memory", help="A budget for the export's private memory (e.g. 4GB): an export whose plan needs more stops before any work. Weights mapped from a safetensors checkpoint in the export's dtype do not count: the kernel pages them in and out.")
+@click.option("--report", type=click.Path(path_type=Path), help="Write a JSON report here, also when the export fails: ok, error, the command, each step's time and peak memory, the memory plan and peak, sizes, quantization coverage and the verification result.")
 @click.option("--dump-graphs", type=click.Path(path_type=Path), help="Write every method's graph after each pipeline step here.")
 @click.option("--list-builtins", is_flag=True, help="List the built-in model names and exit.")
 @click.option("--list-architectures", is_flag=True, help="List the supported Hugging Face architectures and exit.")
@@ -138,7 +139,7 @@ def export(
             "steps": result.steps, "methods": result.methods,
             "sizes": {"package_bytes": result.package_bytes, "weights_bytes": result.weights_bytes,
                       "package_over_weights": round(result.size_ratio, 4)},
-            "coverage": result.coverage, "verification": result.verification,
+            "coverage": result.coverage, "verification": result.verification, "memory": result.memory,
         })
     if result.coverage:
         from kvexport.exporter.quantize import coverage_summary
@@ -148,6 +149,7 @@ def export(
     click.echo(
         f"wrote {result.path} in {result.seconds:.1f} s: {len(result.methods)} methods, "
         f"{_mb(result.package_bytes)} = {result.size_ratio:.3f} x the weights ({_mb(result.weights_bytes)})"
+        + (f", peak private memory {result.memory['peak_private_mb']:.0f} MB" if result.memory.get("peak_private_mb") else "")
     )
 
 

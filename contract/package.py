@@ -35,12 +35,53 @@ TOKENIZER_DIR = "tokenizer"
 log = logging.getLogger(__name__)
 
 
+def cache_dir() -> Path:
+    """kvexport's cache: KVEXPORT_CACHE_DIR, else $XDG_CACHE_HOME/kvexport or ~/.cache/kvexport."""
+    root = os.environ.get("KVEXPORT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvexport"
+    )
+    return Path(root)
+
+
+REMEMBERED_DIGEST_BYTES = 64 << 20  # files at least this large have their digest remembered
+_RACY_NS = 2_000_000_000  # a stamp this close after the file's last change is not trusted
+
+
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    """The file's sha256. A large file's digest is remembered in the cache
+    (digests/), keyed by its device, inode, size, mtime and ctime (not its
+    path: a package is renamed into place after it is hashed): a 15 GB
+    weights file is hashed once, not on every load. Any change to the
+    file changes its ctime, which no user can set back, so a changed file
+    is hashed again; a stamp written within 2 s of the file's last change
+    is not trusted (file systems with coarse timestamps)."""
+    path = Path(path)
+    st = os.stat(path)
+    stamp = None
+    if st.st_size >= REMEMBERED_DIGEST_BYTES:
+        key = f"{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
+        name = hashlib.sha256(key.encode()).hexdigest()
+        stamp = cache_dir() / "digests" / name[:2] / name
+        try:
+            remembered = stamp.read_text().strip()
+            if os.stat(stamp).st_mtime_ns - st.st_ctime_ns >= _RACY_NS and re.fullmatch(r"[0-9a-f]{64}", remembered):
+                return remembered
+        except OSError:
+            pass
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             digest.update(block)
-    return digest.hexdigest()
+    out = digest.hexdigest()
+    if stamp is not None and os.stat(path).st_ctime_ns == st.st_ctime_ns:
+        try:
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            partial = stamp.with_name(f".{stamp.name}.{os.getpid()}")
+            partial.write_text(out)
+            os.replace(partial, stamp)
+        except OSError:
+            pass  # a read-only cache: hash again next time
+    return out
 
 
 def program_path(method: str, compiled: bool = False) -> str:
@@ -103,6 +144,7 @@ class PackageWriter:
         is still the partial directory (it raises to refuse it: nothing is
         placed), then places it with one rename."""
         manifest = dict(manifest)
+        _apply_umask(self.root)
         manifest["files"] = {
             p.relative_to(self.root).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
             for p in self.files()
@@ -297,9 +339,10 @@ def _apply_umask(root: Path) -> None:
     other file the user writes gets."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(root, 0o777 & ~umask)
-    for path in root.rglob("*"):
-        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+    for path in [root, *root.rglob("*")]:
+        mode = (0o777 if path.is_dir() else 0o666) & ~umask
+        if path.stat().st_mode & 0o777 != mode:  # a chmod changes the file's ctime: only where needed
+            os.chmod(path, mode)
 
 
 class PackageReader:

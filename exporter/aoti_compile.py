@@ -1,8 +1,10 @@
 """Compiling a package's methods with AOTInductor, in parallel worker
 processes. Each worker rebuilds its method from the package's own files (the
-JSON graph and the weights file, read through mmap), so nothing but paths
-crosses the process boundary. Weights stay out of the compiled code
-(`package_constants_in_so=False`); the runtime binds them."""
+JSON graph, and the weights file's header: the weights' dtypes and shapes),
+so nothing but paths crosses the process boundary. Weights stay out of the
+compiled code (`package_constants_in_so=False`), so the workers compile
+around uninitialized stand-ins of the parameters and never read one; the
+runtime binds the real ones."""
 
 from __future__ import annotations
 
@@ -26,7 +28,14 @@ log = logging.getLogger(__name__)
 
 # no line tables: they were two thirds of a compiled method's bytes (debug
 # sections of the .so) and hold the build directory's paths
-INDUCTOR_CONFIGS = {"aot_inductor.package_constants_in_so": False, "aot_inductor.enable_line_tables": False}
+INDUCTOR_CONFIGS = {
+    "aot_inductor.package_constants_in_so": False,
+    "aot_inductor.enable_line_tables": False,
+    # the compile sees stand-ins, not the weights: nothing may be folded from
+    # their values (inductor folds a tensor whose elements are all equal,
+    # such as a fresh RMSNorm weight, into the code)
+    "joint_graph_constant_folding": False,
+}
 HEARTBEAT_S = 20.0  # a progress line at least this often while compiling
 
 
@@ -50,16 +59,32 @@ def compile_one(job: CompileJob) -> tuple[str, float]:
     warnings.filterwarnings("ignore")  # torch's deprecation notices, once per worker
     import torch
     import torch._inductor.inductor_prims  # noqa: F401  (ops the fused products use; see passes/quantized_weights.py)
-    from safetensors.torch import load_file
+    from safetensors import safe_open
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
     from kvexport.contract import torch_compat
+    from kvexport.contract.safetensors_io import read_header
 
     start = time.perf_counter()
-    tensors = load_file(job.weights, device=job.device)
+    # the compiled code never holds the weights (package_constants_in_so=False),
+    # so uninitialized stand-ins of each parameter's dtype and shape serve: their
+    # pages are never touched, and a worker's memory does not grow with the
+    # model. Buffers and constants (rotary frequencies, a pass's tensors) are
+    # mapped from the file: inductor may fold small ones into the code
+    ranges, _ = read_header(job.weights)
+    tensors: dict[tuple[str, bool], torch.Tensor] = {}
+    parameters = set(job.bindings["parameters"])
 
     def tensor(name: str) -> torch.Tensor:
-        return tensors[job.aliases.get(name, name)]
+        stored = job.aliases.get(name, name)
+        key = (stored, name in parameters)
+        if key not in tensors:
+            if name in parameters:
+                tensors[key] = torch.empty(ranges[stored].shape, dtype=ranges[stored].dtype, device=job.device)
+            else:
+                with safe_open(str(job.weights), "pt", device=job.device) as f:
+                    tensors[key] = f.get_tensor(stored)
+        return tensors[key]
 
     state = {k: torch.nn.Parameter(tensor(k), requires_grad=False) for k in job.bindings["parameters"]}
     state.update({k: tensor(k) for k in job.bindings["buffers"]})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import logging
@@ -13,6 +14,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -21,7 +23,7 @@ import torch
 
 from kvexport.exporter.architectures import ARCHITECTURES, resolve, tiny_config
 from kvexport.contract.errors import ModelError
-from kvexport.contract.package import sha256_file
+from kvexport.contract.package import cache_dir, sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,7 @@ class LoadedModel:
     tokenizer: Any | None
     provenance: dict[str, Any] = field(default_factory=dict)  # names and digests, never a local path
     gguf: Path | None = None  # the GGUF file a model came from (its codes, for --qlinear gguf)
+    weight_files: list[Path] = field(default_factory=list)  # the safetensors files its weights are mapped from
 
 
 TINY_SEED = 1234
@@ -47,36 +50,70 @@ BUILTINS: dict[str, str] = {
 _TINY = {f"tiny-{arch.key}": arch.name for arch in ARCHITECTURES.values()}
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("KVEXPORT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvexport"
-    )
-    return Path(root)
-
-
 def load_model(source: str, dtype: str = "fp32", progress: Callable[[str], None] = log.info) -> LoadedModel:
     if source in BUILTINS:
         if source == "smollm2-135m":
             gguf = _smollm2_gguf()
-            loaded = _load_directory(_converted_gguf(gguf, progress), dtype, {"builtin": source, "gguf": gguf.name})
+            loaded = _load_directory(_converted_gguf(gguf, progress), dtype, {"builtin": source, "gguf": gguf.name}, progress)
             return dataclasses.replace(loaded, gguf=gguf)
         return _load_tiny(source, dtype)
     path = Path(source)
     if path.is_dir():
-        return _load_directory(path, dtype, {})
+        return _load_directory(path, dtype, {}, progress)
     if path.is_file() and path.suffix == ".gguf":
-        loaded = _load_directory(_converted_gguf(path, progress), dtype, {"gguf": path.name})
+        loaded = _load_directory(_converted_gguf(path, progress), dtype, {"gguf": path.name}, progress)
         return dataclasses.replace(loaded, gguf=path)
     if path.exists():
         raise ModelError(f"{source}: expected a Hugging Face model directory or a .gguf file")
     if _REPO_ID.fullmatch(source):
         snapshot = _from_hf_cache(source)
-        return _load_directory(snapshot, dtype, {"hf_repo": source, "revision": snapshot.name})
+        return _load_directory(snapshot, dtype, {"hf_repo": source, "revision": snapshot.name}, progress)
     if os.sep in source or source.startswith("."):
         raise ModelError(f"{source}: no such file or directory")
     raise ModelError(
         f"{source!r} is neither a path nor a built-in model; built-ins: {', '.join(sorted(BUILTINS))}"
     )
+
+
+@dataclass(frozen=True)
+class SourceWeights:
+    """What a source's weights will cost in memory, read from file headers
+    before anything is loaded."""
+
+    export_bytes: int  # the weights in the export's dtype
+    private_bytes: int  # what loading holds in private memory (the rest is mapped from files)
+    matrix_values: int  # values in 2-d weights (what --qlinear / --qembedding quantize)
+
+
+def source_weights(source: str, dtype: str) -> SourceWeights:
+    """The weights `load_model(source, dtype)` will hold, from headers only."""
+    from kvexport.contract.safetensors_io import read_header
+
+    target = TORCH_DTYPES[dtype]
+    if source in BUILTINS and source != "smollm2-135m":
+        return SourceWeights(0, 0, 0)  # built from a tiny config
+    path = Path(source)
+    if source == "smollm2-135m" or (path.is_file() and path.suffix == ".gguf"):
+        gguf = _smollm2_gguf() if source == "smollm2-135m" else path
+        converted = cache_dir() / "gguf" / f"{gguf.stem}-{sha256_file(gguf)[:16]}"
+        if not (converted / "config.json").is_file():
+            from gguf import GGUFReader  # the whole model is dequantized in memory, once
+
+            values = [int(t.n_elements) for t in GGUFReader(str(gguf)).tensors]
+            total = sum(values) * target.itemsize
+            return SourceWeights(total, total, sum(v for v in values if v > 1 << 16))
+        path = converted
+    elif not path.is_dir() and _REPO_ID.fullmatch(source):
+        path = _from_hf_cache(source)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    ranges = [r for f in files for r in read_header(f)[0].values()]
+    foreign_ranges = [r for r in ranges if r.dtype.is_floating_point and r.dtype != target]
+    foreign = sum(r.nbytes for r in foreign_ranges)
+    export = sum(r.nbytes // r.dtype.itemsize * target.itemsize if r.dtype.is_floating_point else r.nbytes for r in ranges)
+    matrices = sum(r.nbytes // r.dtype.itemsize for r in ranges if len(r.shape) == 2)
+    # _in_export_dtype converts a large foreign part on disk; transformers converts a small one in memory
+    in_memory = 0 if foreign >= CONVERT_ON_DISK_BYTES else sum(r.nbytes // r.dtype.itemsize * target.itemsize for r in foreign_ranges)
+    return SourceWeights(export, in_memory, matrices)
 
 
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
@@ -113,7 +150,7 @@ def _load_tiny(name: str, dtype: str) -> LoadedModel:
     return LoadedModel(model, None, {"source": provenance})
 
 
-def _load_directory(path: Path, dtype: str, origin: dict[str, Any]) -> LoadedModel:
+def _load_directory(path: Path, dtype: str, origin: dict[str, Any], progress: Callable[[str], None] = log.info) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if not (path / "config.json").is_file():
@@ -130,13 +167,63 @@ def _load_directory(path: Path, dtype: str, origin: dict[str, Any]) -> LoadedMod
         raise ModelError(f"{path / 'config.json'}: transformers cannot read it ({type(e).__name__}: {e})") from None
     resolve(config, str(path))
     _check_safetensors(weights)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=TORCH_DTYPES[dtype], use_safetensors=True)
+    mapped = _in_export_dtype(path, weights, TORCH_DTYPES[dtype], progress)
+    model = AutoModelForCausalLM.from_pretrained(str(mapped), dtype=TORCH_DTYPES[dtype], use_safetensors=True)
     model.eval()
+    weights = sorted(mapped.glob("*.safetensors"))
     files = {p.name: sha256_file(p) for p in sorted(path.iterdir()) if p.is_file()}
     # the directory's name: the digests say which model it is, and an
     # absolute path would make two exports of one model differ by location
     source = {**origin, "path": path.absolute().name, "files": files}
-    return LoadedModel(model, _load_tokenizer(path), {"source": source})
+    return LoadedModel(model, _load_tokenizer(path), {"source": source}, weight_files=weights)
+
+
+CONVERT_ON_DISK_BYTES = 256 << 20  # more weights than this in another dtype: converted on disk, not in memory
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+
+
+def _in_export_dtype(path: Path, weights: list[Path], dtype: torch.dtype, progress: Callable[[str], None]) -> Path:
+    """A directory whose floating weights are in `dtype`. transformers maps a
+    checkpoint whose dtype needs no conversion (its pages are the file's, read
+    on demand), but converts any other into private memory: a bf16 7B model
+    exported in fp32 would need 30 GB. So a checkpoint with more than
+    CONVERT_ON_DISK_BYTES in another dtype is converted once, tensor by
+    tensor in 64 MB chunks, into the cache, and mapped from there."""
+    from kvexport.contract.safetensors_io import SafetensorsWriter, read_header
+
+    headers = {p: read_header(p)[0] for p in weights}
+    foreign = sum(r.nbytes for ranges in headers.values() for r in ranges.values()
+                  if r.dtype.is_floating_point and r.dtype != dtype)
+    if foreign < CONVERT_ON_DISK_BYTES:
+        return path
+    key = hashlib.sha256(repr([(os.path.realpath(p), p.stat().st_size, p.stat().st_mtime_ns) for p in weights]).encode())
+    target = cache_dir() / "converted" / f"{path.absolute().name}-{str(dtype).removeprefix('torch.')}-{key.hexdigest()[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    total = sum(r.nbytes for ranges in headers.values() for r in ranges.values())
+    progress(f"converting {path.name}'s weights to {str(dtype).removeprefix('torch.')} once, on disk "
+             f"({total / 1e9:.1f} GB read; cached in {target})")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    try:
+        for item in path.iterdir():
+            if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
+                shutil.copyfile(item, tmp / item.name)  # config, index, tokenizer
+        done, start = 0, time.perf_counter()
+        for i, (file, ranges) in enumerate(headers.items(), 1):
+            _, metadata = read_header(file)
+            specs = {n: (dtype if r.dtype.is_floating_point else r.dtype, r.shape) for n, r in ranges.items()}
+            with SafetensorsWriter(tmp / file.name, specs, metadata) as out:
+                for name in out.names:
+                    out.write(name, ranges[name])
+            done += sum(r.nbytes for r in ranges.values())
+            rate = done / (time.perf_counter() - start)
+            progress(f"converted {i}/{len(headers)} files, {done / 1e9:.1f}/{total / 1e9:.1f} GB, "
+                     f"{rate / 1e6:.0f} MB/s, about {(total - done) / rate:.0f} s left")
+        os.rename(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def _check_config(config_json: Path) -> None:

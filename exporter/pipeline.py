@@ -3,7 +3,9 @@ over one export state. The loop times each step, prints its progress line,
 and dumps every method's graph after the steps that change graphs
 (`--dump-graphs DIR`: DIR/<method>/<n>-<step>.txt).
 
-    load                    the model (and tokenizer) from its source
+    memory plan             the private memory the export needs, from the source's
+                            headers; over --max-memory it stops before any work
+    load                    the model (and tokenizer) from its source, mapped
     reference (float)       a quantized export's float greedy tokens (for fp32_agreement)
     quantize                when --qlinear / --qembedding ask
     reference               the model's own greedy tokens on the probe prompts (golden.py)
@@ -15,7 +17,8 @@ and dumps every method's graph after the steps that change graphs
     partition_and_lower     tag, lower, the backend's checks   (dumped)
     reserve_constant_names  package-wide constant names        (dumped)
     gather_weights          one copy of every tensor, tied ones once
-    write                   weights, programs, tokenizer, into a partial dir
+    write                   weights (streamed, one tensor at a time), programs,
+                            tokenizer, into a partial dir
     compile                 the backend's compile hook (aoti: AOTInductor)
     commit                  the manifest, checked; the package verified against its
                             reference (the CLI's check), then one rename into place
@@ -36,19 +39,21 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-from safetensors.torch import save_file
 
 from kvexport.contract import manifest as mf
 from kvexport.contract import torch_compat, trust
 from kvexport.contract.errors import ExportError
 from kvexport.contract.package import PackageWriter, check_output
+from kvexport.contract.safetensors_io import SafetensorsWriter
 from kvexport.contract.sections import (
     BackendSection, ContractRef, QuantizationSection, ReferenceSection, TokenizerSection, WeightsSection,
 )
 from kvexport.exporter import golden
 from kvexport.exporter.backends import Backend, CompileContext, get_backend
 from kvexport.exporter.forwards import CACHE_BUFFER
-from kvexport.exporter.models import LoadedModel, load_model
+from kvexport.exporter.mapped import source_ranges
+from kvexport.exporter.memory import MemoryPlan, PeakSampler, check_budget, parse_size, plan_memory
+from kvexport.exporter.models import LoadedModel, load_model, source_weights
 from kvexport.exporter.plan import MethodPlan, build_forward, contract_metadata, plan_methods
 from kvexport.exporter.quantize import plain_weights, quantize_model
 from kvexport.exporter.spec import ExportSpec
@@ -88,6 +93,7 @@ class ExportState:
     check_package: Callable[[Path], str] | None = None
     verification: str | None = None
     result: "ExportResult | None" = None
+    memory: MemoryPlan | None = None
 
 
 def step(title: str, dump: str | None = None):
@@ -99,6 +105,33 @@ def step(title: str, dump: str | None = None):
         return fn
 
     return mark
+
+
+@step("memory plan")
+def memory_plan(state: ExportState) -> None:
+    """The private memory the export will need, from the source's headers;
+    over --max-memory, the export stops here, before any work."""
+    spec = state.spec
+    source = source_weights(spec.model, spec.dtype)
+    quantized = 0
+    if spec.qlinear or spec.qembedding:
+        bits = 8 if (spec.qlinear or "8w") == "8w" else 4
+        quantized = int(source.matrix_values * bits / 8 * 1.1)  # codes, and scales at most 1 in 10
+    workers = 0
+    if spec.backend == "aoti":
+        workers = spec.compile_workers or min(os.cpu_count() or 1, len(spec.forward_sizes) + 1)
+    plan = state.memory = plan_memory(private_weights=source.private_bytes, quantized_bytes=quantized, compile_workers=workers)
+    state.progress(f"memory plan: about {plan.total / 1e9:.2f} GB of private memory ({plan.describe()}); "
+                   f"{source.export_bytes / 1e9:.2f} GB of weights")
+    if spec.max_memory:
+        hints = []
+        if source.private_bytes:
+            hints.append("a safetensors checkpoint in the export's dtype is mapped instead of held")
+        if quantized:
+            hints.append("quantization holds the quantized weights")
+        if workers > 1:
+            hints.append("--compile-workers 1 runs one compile at a time")
+        check_budget(plan, parse_size(spec.max_memory), hints + ["raise --max-memory"])
 
 
 @step("load")
@@ -203,7 +236,7 @@ def write(state: ExportState) -> None:
     leaving the pipeline by an exception removes it."""
     spec = state.spec
     writer = state.writer = state.stack.enter_context(PackageWriter(Path(spec.output), overwrite=spec.overwrite))
-    save_file({k: t.cpu() for k, t in state.tensors.items()}, str(writer.weights_path), metadata={"format": "pt"})
+    write_weights(writer.weights_path, state.tensors, state.loaded.weight_files, state.progress)
     for plan in state.plans:
         entry = {
             "kind": plan.kind,
@@ -277,7 +310,7 @@ def commit(state: ExportState) -> None:
 
 
 STEPS = [
-    load, reference_float, quantize, reference_tokens, build_forward_step, plan, trace, caller_passes, backend_passes, partition_and_lower_step,
+    memory_plan, load, reference_float, quantize, reference_tokens, build_forward_step, plan, trace, caller_passes, backend_passes, partition_and_lower_step,
     reserve_constant_names_step, gather, write, compile_methods, commit,
 ]
 
@@ -309,19 +342,37 @@ def export_package(
         chosen = list(partitioners) if partitioners is not None else backend.partitioners(spec)
         state = ExportState(spec, progress, list(transform_passes), backend, chosen, stack)
         state.check_package = check_package
+        sampler = stack.enter_context(PeakSampler())
         for run in STEPS:
             began = time.perf_counter()
             try:
                 run(state)
             finally:
-                steps.append({"step": run.title, "seconds": round(time.perf_counter() - began, 3), **peak_rss_mb()})
+                steps.append({"step": run.title, "seconds": round(time.perf_counter() - began, 3), **peak_rss_mb(),
+                              **sampler.take()})
             progress(f"{run.title}: {time.perf_counter() - began:.1f} s")
             if run.dump:
                 dump(run.dump, state.programs)
     state.result.seconds = time.perf_counter() - start
     state.result.steps = steps
+    state.result.memory = memory_summary(state, steps)
     state.result.verification = state.verification
     return state.result
+
+
+def memory_summary(state: ExportState, steps: list[dict]) -> dict[str, float | None]:
+    """The plan against what the export reached; a warning when the reached
+    peak passed --max-memory (the plan is an estimate)."""
+    budget = parse_size(state.spec.max_memory) / 2**20 if state.spec.max_memory else None
+    out = {
+        "plan_private_mb": round(state.memory.total / 2**20, 1) if state.memory else None,
+        "budget_mb": round(budget, 1) if budget else None,
+        "peak_private_mb": max((row.get("peak_tree_private_mb", 0.0) for row in steps), default=0.0),
+        "peak_rss_mb": max((row.get("peak_tree_rss_mb", 0.0) for row in steps), default=0.0),
+    }
+    if budget and out["peak_private_mb"] > budget:
+        log.warning("the export reached %.0f MB of private memory, over --max-memory (%.0f MB)", out["peak_private_mb"], budget)
+    return out
 
 
 def peak_rss_mb() -> dict[str, float]:
@@ -344,6 +395,7 @@ class ExportResult:
     coverage: list | None = None
     steps: list = field(default_factory=list)  # {"step", "seconds", "peak_rss_mb", "peak_rss_children_mb"}
     verification: str | None = None  # the package's reference check, when it ran
+    memory: dict = field(default_factory=dict)  # plan_private_mb, budget_mb, peak_private_mb, peak_rss_mb
 
     @property
     def size_ratio(self) -> float:
@@ -469,6 +521,34 @@ def gather_weights(
     return tensors, aliases, bindings
 
 
+def write_weights(path: Path, tensors: dict[str, torch.Tensor], source_files: list[Path], progress: Progress,
+                  every_s: float = 5.0) -> None:
+    """The package's weights file, one tensor at a time: a tensor that is
+    still the source checkpoint's bytes is copied from the file in chunks
+    (exporter/mapped.py), so neither the model nor a serialized copy of it
+    is ever held whole. Progress every `every_s` seconds: tensors and bytes
+    done, the rate and the time left."""
+    ranges = source_ranges(tensors, source_files)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    done = 0
+    start = last = time.perf_counter()
+    specs = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+    with SafetensorsWriter(path, specs, {"format": "pt"}) as out:
+        for i, name in enumerate(out.names, 1):
+            tensor = tensors[name]
+            out.write(name, ranges.get(name, tensor))
+            done += tensor.numel() * tensor.element_size()
+            now = time.perf_counter()
+            if now - last >= every_s and i < len(out.names):
+                last = now
+                rate = done / (now - start)
+                progress(f"weights: {i}/{len(out.names)} tensors, {done / 1e9:.2f}/{total / 1e9:.2f} GB, "
+                         f"{rate / 1e6:.0f} MB/s, about {(total - done) / rate:.0f} s left")
+    if ranges:
+        copied = sum(r.nbytes for r in ranges.values())
+        log.info("weights: %.2f of %.2f GB copied straight from the source files", copied / 1e9, total / 1e9)
+
+
 def name_stored_tensors(coverage: list[dict], programs: dict[str, torch.export.ExportedProgram], aliases: dict[str, str]) -> list[dict]:
     """The coverage rows with each quantized weight's inner tensors (qdata,
     scale, zero_point) given by the names they are stored under."""
@@ -487,7 +567,7 @@ def name_stored_tensors(coverage: list[dict], programs: dict[str, torch.export.E
 
 
 # recipe keys that say where and how the package was written, not what it is
-_NOT_CONTENT = ("output", "overwrite", "compile_workers")
+_NOT_CONTENT = ("output", "overwrite", "compile_workers", "max_memory")
 
 
 def provenance(spec: ExportSpec, loaded: LoadedModel) -> dict[str, Any]:

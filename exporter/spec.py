@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvexport.exporter.backends import get_backend
+from kvexport.exporter.memory import parse_size
 from kvexport.exporter.quantize import ALGORITHMS, QEMBEDDING, QLINEAR
 from kvexport.contract.errors import SpecError
 from kvexport.contract.manifest import CONTRACTS, DEVICES, DTYPES, INGRAPH_KV, OFFGRAPH_KV
@@ -44,6 +45,7 @@ class ExportSpec:
     overwrite: bool = False
     verify: bool = True  # store reference tokens and check the package reproduces them before it is written
     verify_tokens: int = 8  # greedy tokens per probe
+    max_memory: str = ""  # a budget for the export's private memory, e.g. "4GB": refused before any work when over
     # filled in by the CLI for provenance, not a recipe key
     command: list[str] = field(default_factory=list, metadata={"recipe": False})
 
@@ -119,6 +121,8 @@ class ExportSpec:
             raise SpecError(f"verify must be true or false, got {self.verify!r}")
         if not _is_int(self.verify_tokens) or not 1 <= self.verify_tokens <= 256:
             raise SpecError(f"--verify-tokens must be in 1..256, got {self.verify_tokens!r}")
+        if self.max_memory:
+            parse_size(self.max_memory)
         if not _is_int(self.compile_workers) or self.compile_workers < 0:
             raise SpecError(f"--compile-workers must be >= 0 (0: one per core), got {self.compile_workers!r}")
         return self

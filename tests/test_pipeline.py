@@ -310,10 +310,10 @@ def test_steps_are_one_list():
     from kvexport.exporter import pipeline
 
     names = [step.title for step in pipeline.STEPS]
-    assert names[:7] == ["load", "reference (float)", "quantize", "reference", "build forward", "plan", "trace"]
+    assert names[:8] == ["memory plan", "load", "reference (float)", "quantize", "reference", "build forward", "plan", "trace"]
     assert names[-1] == "commit"
     assert [s.dump for s in pipeline.STEPS if s.dump] == [
         "trace", "transform", "backend_passes", "partition_lower", "reserve_constant_names"
     ]
-    for name in ("load", "quantize", "reference", "plan", "trace", "compile", "commit"):
+    for name in ("memory plan", "load", "quantize", "reference", "plan", "trace", "compile", "commit"):
         assert name in pipeline.__doc__

@@ -1,0 +1,180 @@
+"""Models larger than memory: weights streamed into the package one tensor at
+a time (copied straight from a mapped checkpoint), a checkpoint in another
+dtype converted on disk, the memory budget, remembered digests."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+import kvexport.contract.package as package_module
+import kvexport.contract.safetensors_io as sio
+import kvexport.exporter.models as models
+from helpers import export_tiny
+from kvexport.cli.main import main
+from kvexport.exporter.mapped import source_ranges
+from kvexport.exporter.pipeline import write_weights
+
+needs_proc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """tiny-llama as a Hugging Face directory, in fp32, split over two shards."""
+    directory = tmp_path_factory.mktemp("ckpt") / "tiny-llama-hf"
+    model = models.load_model("tiny-llama").model
+    model.save_pretrained(str(directory), max_shard_size="300KB")
+    assert len(list(directory.glob("*.safetensors"))) >= 2
+    return directory
+
+
+def test_writer_matches_save_file_byte_for_byte(tmp_path):
+    tensors = {
+        "b": torch.randn(3), "a": torch.randn(2, 2).to(torch.bfloat16), "c": torch.arange(5, dtype=torch.int8),
+        "scalar": torch.tensor(2.5), "e": torch.tensor([7]), "f": torch.randn(2).half(), "empty": torch.zeros(0),
+        "mask": torch.tensor([True, False, True]), "view": torch.randn(40, 7)[:, 2],  # not contiguous
+    }
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "ref.st"), metadata={"format": "pt"})
+    sio.write_safetensors(tmp_path / "ours.st", tensors, {"format": "pt"})
+    assert (tmp_path / "ours.st").read_bytes() == (tmp_path / "ref.st").read_bytes()
+
+
+def test_ranges_copied_in_chunks_with_their_dtype_converted(tmp_path, monkeypatch):
+    values = {"w": torch.randn(33, 7), "n": torch.arange(10, dtype=torch.int64)}
+    save_file(values, str(tmp_path / "src.st"))
+    ranges, _ = sio.read_header(tmp_path / "src.st")
+    monkeypatch.setattr(sio, "CHUNK", 12)  # many chunks, each a whole number of elements
+    with sio.SafetensorsWriter(tmp_path / "out.st", {"w": (torch.bfloat16, (33, 7)), "n": (torch.int64, (10,))}) as out:
+        for name in out.names:
+            out.write(name, ranges[name])
+    back = load_file(str(tmp_path / "out.st"))
+    assert torch.equal(back["w"], values["w"].to(torch.bfloat16))
+    assert torch.equal(back["n"], values["n"])
+
+
+def test_writer_refuses_a_wrong_shape_or_order_and_a_short_file(tmp_path):
+    with pytest.raises(ValueError, match="shape"):
+        with sio.SafetensorsWriter(tmp_path / "x.st", {"a": (torch.float32, (2,))}) as out:
+            out.write("a", torch.zeros(3))
+    with pytest.raises(ValueError, match="expected 'a'"):
+        with sio.SafetensorsWriter(tmp_path / "y.st", {"a": (torch.float32, (2,)), "b": (torch.float32, (2,))}) as out:
+            out.write("b", torch.zeros(2))
+    with pytest.raises(ValueError, match="never written"):
+        with sio.SafetensorsWriter(tmp_path / "z.st", {"a": (torch.float32, (2,))}):
+            pass
+
+
+@needs_proc
+def test_mapped_weights_are_copied_from_the_file_and_written_ones_are_not(checkpoint, tmp_path):
+    loaded = models.load_model(str(checkpoint))
+    tensors = {k: v for k, v in loaded.model.state_dict().items()}
+    ranges = source_ranges(tensors, loaded.weight_files)
+    stored = {r.name for r in ranges.values()}
+    assert stored == {k for f in loaded.weight_files for k in sio.read_header(f)[0]}, "every checkpoint tensor is mapped"
+    # a weight changed in place is no longer the file's bytes: its shard is written from memory
+    name = "model.layers.0.mlp.up_proj.weight"
+    with torch.no_grad():
+        tensors[name].mul_(2)
+    after = source_ranges(tensors, loaded.weight_files)
+    assert name not in after
+    write_weights(tmp_path / "w.st", tensors, loaded.weight_files, progress=lambda m: None)
+    back = load_file(str(tmp_path / "w.st"))
+    assert all(torch.equal(back[k], v) for k, v in tensors.items())
+
+
+def test_export_from_a_checkpoint_streams_and_matches_the_builtin(checkpoint, tmp_path, tiny_package):
+    """The same weights through the file path (copied from the mapped
+    checkpoint) and the in-memory path (the built-in) store the same tensors."""
+    export_tiny(str(checkpoint), tmp_path / "pkg")
+    ours = load_file(str(tmp_path / "pkg" / "weights.safetensors"))
+    builtin = load_file(str(tiny_package("tiny-llama") / "weights.safetensors"))
+    assert ours.keys() == builtin.keys()
+    assert all(torch.equal(ours[k], builtin[k]) for k in ours)
+
+
+@needs_proc
+def test_a_checkpoint_in_another_dtype_is_converted_on_disk_and_mapped(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "CONVERT_ON_DISK_BYTES", 1)
+    assert models.source_weights(str(checkpoint), "bf16").private_bytes == 0
+    loaded = models.load_model(str(checkpoint), "bf16")
+    assert all(str(f).startswith(str(tmp_path / "cache" / "converted")) for f in loaded.weight_files)
+    original = {k: v for f in sorted(checkpoint.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    state = loaded.model.state_dict()
+    assert all(torch.equal(state[k], v.to(torch.bfloat16)) for k, v in original.items())
+    assert len(source_ranges(state, loaded.weight_files)) >= len(original), "the converted weights are mapped"
+    assert loaded.provenance["source"]["path"] == checkpoint.name  # the source, not the cache
+
+
+def test_memory_budget_refuses_before_loading(checkpoint, tmp_path, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr("kvexport.exporter.pipeline.load_model", never)
+    result = CliRunner().invoke(main, [
+        "export", str(checkpoint), "-o", str(tmp_path / "pkg"), "--use-offgraph-kv-cache", "--forward-sizes", "1,2", "--max-step-tokens", "24",
+        "--max-memory", "300MB", "--backend", "aoti", "--compile-workers", "2"])
+    assert result.exit_code == 1
+    assert "--max-memory 0.30 GB" in result.output and "--compile-workers 1" in result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "pkg").exists()
+
+
+@pytest.mark.parametrize("text, expected", [("4GB", 4 * 10**9), ("512 MiB", 512 * 2**20), ("2.5G", 25 * 10**8)])
+def test_memory_sizes(text, expected):
+    from kvexport.exporter.memory import parse_size
+
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "4 XB", "-1GB", "0"])
+def test_bad_memory_sizes_are_named(text):
+    from kvexport.contract.errors import SpecError
+    from kvexport.exporter.memory import parse_size
+
+    with pytest.raises(SpecError, match="--max-memory"):
+        parse_size(text)
+
+
+def test_report_holds_the_memory_plan_and_peak(checkpoint, tmp_path):
+    result = export_tiny(str(checkpoint), tmp_path / "pkg", max_memory="8GB")
+    memory = result.memory
+    assert memory["budget_mb"] == pytest.approx(8e9 / 2**20, rel=1e-3)
+    assert 0 < memory["plan_private_mb"] and 0 < memory["peak_private_mb"] <= memory["peak_rss_mb"]
+    assert all("peak_tree_private_mb" in row for row in result.steps)
+
+
+def test_large_digests_are_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(package_module, "REMEMBERED_DIGEST_BYTES", 1)
+    monkeypatch.setattr(package_module, "_RACY_NS", 0)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"a" * 1000)
+    real = package_module.sha256_file(path)
+    [stamp] = [p for p in (tmp_path / "cache" / "digests").rglob("*") if p.is_file()]
+    stamp.write_text("0" * 64)  # the remembered digest is what a second call returns
+    assert package_module.sha256_file(path) == "0" * 64
+    # the same size and mtime, other bytes: the ctime moved, so it is hashed again
+    st = os.stat(path)
+    path.write_bytes(b"b" * 1000)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert package_module.sha256_file(path) not in (real, "0" * 64)
+
+
+def test_a_fresh_stamp_is_not_trusted(tmp_path, monkeypatch):
+    """A stamp written within 2 s of the file's change could hide a change
+    in the same clock tick (coarse timestamps): it is ignored."""
+    monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(package_module, "REMEMBERED_DIGEST_BYTES", 1)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"a" * 1000)
+    real = package_module.sha256_file(path)
+    for stamp in (tmp_path / "cache" / "digests").rglob("*"):
+        if stamp.is_file():
+            stamp.write_text("0" * 64)
+    assert package_module.sha256_file(path) == real
