@@ -4,7 +4,6 @@ name. Support is keyed by the config's `architectures` string
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import hashlib
 import importlib.util
@@ -305,38 +304,21 @@ def _smollm2_gguf() -> Path:
 
 def _converted_gguf(gguf: Path, progress: Callable[[str], None]) -> Path:
     """Converts a GGUF file once to a safetensors directory in the cache,
-    keyed by the file's hash; later exports load that in under a second."""
+    keyed by the file's hash, one tensor at a time (exporter/gguf_convert.py);
+    later exports map that in under a second."""
     digest = sha256_file(gguf)
     target = cache_dir() / "gguf" / f"{gguf.stem}-{digest[:16]}"
     if (target / "config.json").is_file():
         return target
-    progress(f"converting {gguf.name} to safetensors once (cached in {target})")
-    try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError as e:
-        raise ModelError(f"loading GGUF needs transformers: {e}") from e
+    progress(f"converting {gguf.name} to safetensors once, one tensor at a time (cached in {target})")
     if importlib.util.find_spec("gguf") is None:
         raise ModelError("loading a .gguf file needs the gguf package: pip install gguf accelerate")
+    from kvexport.exporter.gguf_convert import convert_gguf
+
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
-        config = copy.deepcopy(loaded.config)
-        config.architectures = config.architectures or [type(loaded).__name__]
-        resolve(config, str(gguf))
-        # save_pretrained refuses a GGUF-quantized model: rebuild it plain.
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(loaded.state_dict())
-        plain.generation_config = loaded.generation_config
-        plain.save_pretrained(str(tmp))
-        try:
-            AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(tmp))
-        except Exception as e:
-            log.warning("%s: no usable tokenizer (%s)", gguf, e)
+        convert_gguf(gguf, tmp, progress, resolve)
         (tmp / "kvexport-source.json").write_text(json.dumps({"gguf": gguf.name, "sha256": digest}))
         os.rename(tmp, target)
     finally:

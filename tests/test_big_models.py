@@ -178,3 +178,70 @@ def test_a_fresh_stamp_is_not_trusted(tmp_path, monkeypatch):
         if stamp.is_file():
             stamp.write_text("0" * 64)
     assert package_module.sha256_file(path) == real
+
+
+def _tiny_gguf(path, seed=0):
+    """A small Llama GGUF written with gguf's own writer: Q8_0 matrices, F32
+    norms, and no output.weight (tied embeddings), as llama.cpp writes one."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+
+    hidden, heads, kv_heads, ffn, layers, vocab = 64, 4, 2, 128, 2, 96
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-test")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab)
+    rng = np.random.default_rng(seed)
+
+    def matrix(name, rows, cols):
+        values = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+        writer.add_tensor(name, quantize(values, GGMLQuantizationType.Q8_0), raw_dtype=GGMLQuantizationType.Q8_0)
+
+    matrix("token_embd.weight", vocab, hidden)
+    writer.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    head_dim = hidden // heads
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        matrix(f"blk.{i}.attn_q.weight", hidden, hidden)
+        matrix(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
+        matrix(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
+        matrix(f"blk.{i}.attn_output.weight", hidden, hidden)
+        matrix(f"blk.{i}.ffn_gate.weight", ffn, hidden)
+        matrix(f"blk.{i}.ffn_up.weight", ffn, hidden)
+        matrix(f"blk.{i}.ffn_down.weight", hidden, ffn)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_streams_to_what_transformers_dequantizes(tmp_path, monkeypatch):
+    """Tensor by tensor, the streamed conversion equals transformers' own
+    GGUF loading (dequantized, Q/K rows un-permuted, names mapped)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = _tiny_gguf(tmp_path / "tiny.gguf")
+    loaded = models.load_model(str(gguf))
+    [weights] = loaded.weight_files
+    ours = load_file(str(weights))
+    config = AutoConfig.from_pretrained(str(tmp_path), gguf_file=gguf.name)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    theirs = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+    assert ours.keys() == theirs.keys() and len(ours) == 2 + 9 * 2
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor.float()), name
+    assert loaded.model.config.num_key_value_heads == 2 and loaded.model.config.tie_word_embeddings
