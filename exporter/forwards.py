@@ -169,9 +169,21 @@ class ContractForward(nn.Module):
 
     @torch.no_grad()
     def _probe_geometry(self) -> CacheGeometry:
+        """Runs the decoder on two tokens to see each attention layer's
+        heads and head size: under fake tensors, so that no weight is read
+        (a mapped 7B model stays on disk), or for real where the model's
+        code needs values (data-dependent Python)."""
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
         probe = GeometryProbe({})
-        ids = torch.tensor([[0, 1]], device=self.device)
-        self.decoder(input_ids=ids, position_ids=ids, use_cache=False, **{_STATE_KEY: probe})
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                ids = torch.tensor([[0, 1]], device=self.device)
+                self.decoder(input_ids=ids, position_ids=ids, use_cache=False, **{_STATE_KEY: probe})
+        except Exception:  # noqa: BLE001  (any failure of the fake run: the real one decides)
+            probe = GeometryProbe({})
+            ids = torch.tensor([[0, 1]], device=self.device)
+            self.decoder(input_ids=ids, position_ids=ids, use_cache=False, **{_STATE_KEY: probe})
         n = len(probe.layers)
         if sorted(probe.layers) != list(range(n)):
             raise ModelError(f"attention layers reported indices {sorted(probe.layers)}; expected 0..{n - 1}")
