@@ -10,6 +10,7 @@ window. The final norm and the LM head see only the selected rows.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,8 @@ from kvexport.contract.sampler import sample, sample_argmax
 
 ATTENTION_NAME = "kvexport_offgraph"
 _STATE_KEY = "kvexport_state"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -180,7 +183,8 @@ class ContractForward(nn.Module):
             with FakeTensorMode(allow_non_fake_inputs=True):
                 ids = torch.tensor([[0, 1]], device=self.device)
                 self.decoder(input_ids=ids, position_ids=ids, use_cache=False, **{_STATE_KEY: probe})
-        except Exception:  # noqa: BLE001  (any failure of the fake run: the real one decides)
+        except Exception as e:  # noqa: BLE001  (any failure of the fake run: the real one decides)
+            log.info("cache geometry: the run under fake tensors failed (%s: %s); probing with the weights", type(e).__name__, e)
             probe = GeometryProbe({})
             ids = torch.tensor([[0, 1]], device=self.device)
             self.decoder(input_ids=ids, position_ids=ids, use_cache=False, **{_STATE_KEY: probe})

@@ -140,8 +140,3 @@ class PeakSampler:
             self.peak = [0.0, 0.0]
         return {"peak_tree_rss_mb": round(rss, 1), "peak_tree_private_mb": round(anon, 1)}
 
-
-def source_weight_bytes(files: list[Path]) -> int:
-    from kvexport.contract.safetensors_io import read_header
-
-    return sum(r.nbytes for f in files for r in read_header(f)[0].values())

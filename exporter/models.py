@@ -105,7 +105,12 @@ def source_weights(source: str, dtype: str) -> SourceWeights:
     elif not path.is_dir() and _REPO_ID.fullmatch(source):
         path = _from_hf_cache(source)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
-    ranges = [r for f in files for r in read_header(f)[0].values()]
+    ranges = []
+    for file in files:
+        try:
+            ranges += read_header(file)[0].values()
+        except (OSError, ValueError) as e:
+            raise ModelError(f"{file}: not a readable safetensors file ({e}); it may be truncated: download it again") from None
     foreign_ranges = [r for r in ranges if r.dtype.is_floating_point and r.dtype != target]
     foreign = sum(r.nbytes for r in foreign_ranges)
     export = sum(r.nbytes // r.dtype.itemsize * target.itemsize if r.dtype.is_floating_point else r.nbytes for r in ranges)

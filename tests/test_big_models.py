@@ -17,6 +17,7 @@ import kvexport.contract.safetensors_io as sio
 import kvexport.exporter.models as models
 from helpers import export_tiny
 from kvexport.cli.main import main
+from kvexport.exporter.architectures import ARCHITECTURES
 from kvexport.exporter.mapped import source_ranges
 from kvexport.exporter.pipeline import write_weights
 
@@ -245,3 +246,25 @@ def test_gguf_streams_to_what_transformers_dequantizes(tmp_path, monkeypatch):
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor.float()), name
     assert loaded.model.config.num_key_value_heads == 2 and loaded.model.config.tie_word_embeddings
+
+
+@pytest.mark.parametrize("arch", sorted(a.key for a in ARCHITECTURES.values()))
+def test_geometry_probed_without_reading_a_weight_equals_the_real_run(arch, monkeypatch, caplog):
+    """The cache geometry comes from a decoder run under fake tensors (no
+    weight read); it must equal what a real run sees."""
+    import logging
+
+    import torch._subclasses.fake_tensor as fake
+    from kvexport.exporter.forwards import OffgraphForward
+
+    with caplog.at_level(logging.INFO, logger="kvexport.exporter.forwards"):
+        faked = OffgraphForward(models.load_model(f"tiny-{arch}").model).geometry
+    assert "fake tensors failed" not in caplog.text
+
+    class Refused:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("no fake run")
+
+    monkeypatch.setattr(fake, "FakeTensorMode", Refused)
+    real = OffgraphForward(models.load_model(f"tiny-{arch}").model).geometry
+    assert faked == real
