@@ -120,18 +120,24 @@ class SafetensorsWriter:
         else:
             self.file.close()
 
-    def write(self, name: str, source: torch.Tensor | TensorRange) -> None:
+    def write(self, name: str, source: torch.Tensor | TensorRange | list) -> None:
+        """`source`: a tensor, a range of another file, or a list of those
+        stacked along the first dim (written one after the other)."""
         if self.next >= len(self.names) or self.names[self.next] != name:
             expected = self.names[self.next] if self.next < len(self.names) else "nothing more"
             raise ValueError(f"safetensors writer: got {name!r}, expected {expected!r}")
         dtype, shape = self.specs[name]
-        if tuple(source.shape) != shape:
-            raise ValueError(f"{name}: shape {tuple(source.shape)} is not the declared {shape}")
-        if isinstance(source, TensorRange):
-            for chunk in _chunks(source):
-                self._write_tensor(chunk.to(dtype))
-        else:
-            self._write_tensor(source.detach().to("cpu", dtype))
+        parts = source if isinstance(source, list) else [source]
+        stacked = (sum(p.shape[0] for p in parts), *parts[0].shape[1:]) if parts[0].shape else ()
+        if tuple(stacked) != shape or any(tuple(p.shape[1:]) != shape[1:] for p in parts):
+            got = [tuple(p.shape) for p in parts] if isinstance(source, list) else tuple(source.shape)
+            raise ValueError(f"{name}: shape {got} is not the declared {shape}")
+        for part in parts:
+            if isinstance(part, TensorRange):
+                for chunk in _chunks(part):
+                    self._write_tensor(chunk.to(dtype))
+            else:
+                self._write_tensor(part.detach().to("cpu", dtype))
         self.next += 1
 
     def _write_tensor(self, tensor: torch.Tensor) -> None:

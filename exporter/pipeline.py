@@ -13,6 +13,7 @@ and dumps every method's graph after the steps that change graphs
     plan                    each method: module, example inputs, I/O specs
     trace                   torch.export, each method          (dumped)
     caller_passes           the caller's transform passes      (dumped)
+    fuse sibling linears    q/k/v and gate/up as one product each (dumped)
     backend_passes          each partitioner's passes          (dumped)
     partition_and_lower     tag, lower, the backend's checks   (dumped)
     reserve_constant_names  package-wide constant names        (dumped)
@@ -59,6 +60,7 @@ from kvexport.exporter.quantize import plain_weights, quantize_model
 from kvexport.exporter.spec import ExportSpec
 from kvexport.partitioners.base import Partitioner
 from kvexport.passes.base import Pass, run_passes
+from kvexport.passes.fuse_linears import FusedWeights, fuse_sibling_linears
 from kvexport.passes.check_step_width import STEP_WIDTH_META, USER_INPUTS_META
 from kvexport.passes.reserve_constant_names import ConstantNames, ReserveConstantNamesPass
 
@@ -94,6 +96,7 @@ class ExportState:
     verification: str | None = None
     result: "ExportResult | None" = None
     memory: MemoryPlan | None = None
+    fused: FusedWeights = field(default_factory=FusedWeights)
 
 
 def step(title: str, dump: str | None = None):
@@ -208,6 +211,13 @@ def caller_passes(state: ExportState) -> None:
     run_on_each(state.programs, state.transform_passes)
 
 
+@step("fuse sibling linears", dump="fuse")
+def fuse_linears(state: ExportState) -> None:
+    groups = sum(fuse_sibling_linears(program, state.fused) for program in state.programs.values())
+    if groups:
+        state.progress(f"fused {groups} groups of sibling linears (q/k/v, gate/up) into one product each")
+
+
 @step("backend passes", dump="backend_passes")
 def backend_passes(state: ExportState) -> None:
     run_on_each(state.programs, [p for partitioner in state.partitioners for p in partitioner.edge_transform_passes()])
@@ -236,7 +246,7 @@ def write(state: ExportState) -> None:
     leaving the pipeline by an exception removes it."""
     spec = state.spec
     writer = state.writer = state.stack.enter_context(PackageWriter(Path(spec.output), overwrite=spec.overwrite))
-    write_weights(writer.weights_path, state.tensors, state.loaded.weight_files, state.progress)
+    write_weights(writer.weights_path, state.tensors, state.loaded.weight_files, state.progress, state.fused)
     for plan in state.plans:
         entry = {
             "kind": plan.kind,
@@ -310,7 +320,8 @@ def commit(state: ExportState) -> None:
 
 
 STEPS = [
-    memory_plan, load, reference_float, quantize, reference_tokens, build_forward_step, plan, trace, caller_passes, backend_passes, partition_and_lower_step,
+    memory_plan, load, reference_float, quantize, reference_tokens, build_forward_step, plan, trace, caller_passes, fuse_linears,
+    backend_passes, partition_and_lower_step,
     reserve_constant_names_step, gather, write, compile_methods, commit,
 ]
 
@@ -522,13 +533,15 @@ def gather_weights(
 
 
 def write_weights(path: Path, tensors: dict[str, torch.Tensor], source_files: list[Path], progress: Progress,
-                  every_s: float = 5.0) -> None:
+                  fused: FusedWeights | None = None, every_s: float = 5.0) -> None:
     """The package's weights file, one tensor at a time: a tensor that is
     still the source checkpoint's bytes is copied from the file in chunks
-    (exporter/mapped.py), so neither the model nor a serialized copy of it
-    is ever held whole. Progress every `every_s` seconds: tensors and bytes
-    done, the rate and the time left."""
-    ranges = source_ranges(tensors, source_files)
+    (exporter/mapped.py), a stacked weight (passes/fuse_linears.py) is
+    written part after part, so neither the model nor a serialized copy of
+    it is ever held whole. Progress every `every_s` seconds: tensors and
+    bytes done, the rate and the time left."""
+    stacked = {name: parts for name, t in tensors.items() if fused and (parts := fused.parts(t)) is not None}
+    ranges = source_ranges({**tensors, **{f"{n}\0{i}": p for n, parts in stacked.items() for i, p in enumerate(parts)}}, source_files)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     done = 0
     start = last = time.perf_counter()
@@ -536,7 +549,10 @@ def write_weights(path: Path, tensors: dict[str, torch.Tensor], source_files: li
     with SafetensorsWriter(path, specs, {"format": "pt"}) as out:
         for i, name in enumerate(out.names, 1):
             tensor = tensors[name]
-            out.write(name, ranges.get(name, tensor))
+            if name in stacked:
+                out.write(name, [ranges.get(f"{name}\0{i}", part) for i, part in enumerate(stacked[name])])
+            else:
+                out.write(name, ranges.get(name, tensor))
             done += tensor.numel() * tensor.element_size()
             now = time.perf_counter()
             if now - last >= every_s and i < len(out.names):

@@ -103,9 +103,12 @@ def test_a_partitioner_that_changes_the_graph_is_refused(tmp_path):
 def test_dump_graphs_after_each_step(tmp_path):
     export(tmp_path, dump_graphs=tmp_path / "graphs")
     steps = sorted(p.name for p in (tmp_path / "graphs" / "forward_4").iterdir())
-    assert steps == ["1-trace.txt", "2-transform.txt", "3-backend_passes.txt", "4-partition_lower.txt", "5-reserve_constant_names.txt"]
+    assert steps == ["1-trace.txt", "2-transform.txt", "3-fuse.txt", "4-backend_passes.txt", "5-partition_lower.txt",
+                     "6-reserve_constant_names.txt"]
     assert "_assert_tensor_metadata" in (tmp_path / "graphs/forward_4/1-trace.txt").read_text()
-    assert "_assert_tensor_metadata" not in (tmp_path / "graphs/forward_4/3-backend_passes.txt").read_text()
+    assert "_assert_tensor_metadata" not in (tmp_path / "graphs/forward_4/4-backend_passes.txt").read_text()
+    assert "q_proj" in (tmp_path / "graphs/forward_4/2-transform.txt").read_text()
+    assert "q_k_v_proj" in (tmp_path / "graphs/forward_4/6-reserve_constant_names.txt").read_text()
     assert {p.name for p in (tmp_path / "graphs").iterdir()} >= {"forward_1", "forward_others", "sample"}
 
 
@@ -313,7 +316,7 @@ def test_steps_are_one_list():
     assert names[:8] == ["memory plan", "load", "reference (float)", "quantize", "reference", "build forward", "plan", "trace"]
     assert names[-1] == "commit"
     assert [s.dump for s in pipeline.STEPS if s.dump] == [
-        "trace", "transform", "backend_passes", "partition_lower", "reserve_constant_names"
+        "trace", "transform", "fuse", "backend_passes", "partition_lower", "reserve_constant_names"
     ]
-    for name in ("memory plan", "load", "quantize", "reference", "plan", "trace", "compile", "commit"):
+    for name in ("memory plan", "load", "fuse sibling linears", "quantize", "reference", "plan", "trace", "compile", "commit"):
         assert name in pipeline.__doc__

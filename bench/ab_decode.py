@@ -1,0 +1,66 @@
+"""Two packages' decode steps, interleaved in one process: which is faster,
+on a machine whose memory rate drifts from one minute to the next.
+
+    python bench/ab_decode.py PKG_A PKG_B [--rounds 40] [--steps 16] [--sessions 1]
+
+Each round runs `--steps` decode steps of `--sessions` sessions on A, then
+on B (the order alternates by round), after a 32-token prompt per session;
+a round's time is its steps' total. Prints the median ms per step of each
+and the median of the per-round ratios B/A (a drift between rounds cancels
+out of a ratio taken within one round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+from common import cpu_model, emit
+from kvexport.runtime import StepEntry, load
+
+
+def steps_ms(runtime, sessions: int, steps: int) -> float:
+    live = [runtime.new_session() for _ in range(sessions)]
+    logits = runtime.step([StepEntry(s, list(range(3, 35))) for s in live])
+    tokens = [int(row.argmax()) for row in logits]
+    start = time.perf_counter()
+    for _ in range(steps):
+        logits = runtime.step([StepEntry(s, [t]) for s, t in zip(live, tokens)])
+        tokens = [int(row.argmax()) for row in logits]
+    took = time.perf_counter() - start
+    for s in live:
+        runtime.release(s)
+    return took * 1e3 / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("a", type=Path)
+    parser.add_argument("b", type=Path)
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--sessions", type=int, default=1)
+    args = parser.parse_args()
+    runtimes = {"a": load(str(args.a), trust_native_code=True), "b": load(str(args.b), trust_native_code=True)}
+    for runtime in runtimes.values():
+        steps_ms(runtime, args.sessions, 4)  # warm: methods loaded, pools grown
+    times = {"a": [], "b": []}
+    ratios = []
+    for i in range(args.rounds):
+        order = ("a", "b") if i % 2 == 0 else ("b", "a")
+        took = {name: steps_ms(runtimes[name], args.sessions, args.steps) for name in order}
+        for name in took:
+            times[name].append(took[name])
+        ratios.append(took["b"] / took["a"])
+    emit({
+        "cpu": cpu_model(), "a": str(args.a), "b": str(args.b), "sessions": args.sessions,
+        "median_ms_per_step": {k: round(statistics.median(v), 2) for k, v in times.items()},
+        "median_ratio_b_over_a": round(statistics.median(ratios), 3),
+        "ratio_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],
+    })
+
+
+if __name__ == "__main__":
+    main()
