@@ -189,3 +189,39 @@ def test_quantized_lookup_unpacks_only_the_gathered_rows(group):
     assert [u.target for u in words_node.users] == [torch.ops.aten.embedding.default]  # never the whole table
     for rows in (3, 6, 11):
         torch.testing.assert_close(program.module()(tokens_of(rows)), block(tokens_of(rows)), rtol=1e-5, atol=1e-5)
+
+
+class Siblings(nn.Module):
+    """q/k/v-like products of one input (biased), two more of another
+    (unbiased), and a product of a different width that must stay alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 16), nn.Linear(64, 16)
+        self.gate, self.up = nn.Linear(64, 96, bias=False), nn.Linear(64, 96, bias=False)
+        self.down = nn.Linear(96, 64, bias=False)
+
+    def forward(self, x):
+        h = torch.cat([self.q(x), self.k(x), self.v(x).relu()], -1)[..., :64]
+        return self.down(torch.relu(self.gate(h)) * self.up(h))
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_sibling_linears_fuse_and_keep_results(rows):
+    from kvexport.passes.fuse_linears import FusedWeights, fuse_sibling_linears
+
+    model = Siblings().eval()
+    x = torch.randn(rows, 64)
+    program = torch.export.export(model, (x,), strict=False)
+    fused = FusedWeights()
+    assert fuse_sibling_linears(program, fused) == 2
+    names = set(program.state_dict)
+    assert {"q_k_v.weight", "q_k_v.bias", "gate_up.weight", "down.weight"} == names
+    linears = [n for n in program.graph.nodes if n.target is torch.ops.aten.linear.default]
+    assert len(linears) == 3
+    # the stacked weights are uninitialized: what the writer would store are their parts
+    for name, parts in (("q_k_v.weight", ["q", "k", "v"]), ("gate_up.weight", ["gate", "up"])):
+        assert [p is getattr(model, m).weight for p, m in zip(fused.parts(program.state_dict[name]), parts)] == [True] * len(parts)
+    for name in ("q_k_v.weight", "q_k_v.bias", "gate_up.weight"):
+        program.state_dict[name].data.copy_(torch.cat(fused.parts(program.state_dict[name])))
+    assert torch.allclose(program.module()(x), model(x), atol=1e-6)

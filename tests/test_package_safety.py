@@ -243,9 +243,9 @@ def test_sizes_are_capped_before_anything_is_allocated(tmp_path, tiny_package, k
 def test_validate_checks_the_weights_against_the_bindings(tmp_path, tiny_package):
     pkg = copy(tmp_path, tiny_package)
     tensors = load_file(pkg / "weights.safetensors")
-    name = next(k for k in tensors if k.endswith("q_proj.weight"))
+    name = next(k for k in tensors if k.endswith("o_proj.weight"))
     tensors[name] = tensors[name][:-1].clone()
-    dropped = next(k for k in tensors if k.endswith("k_proj.weight"))
+    dropped = next(k for k in tensors if k.endswith("down_proj.weight"))
     del tensors[dropped]
     save_file(tensors, pkg / "weights.safetensors")
     fix_checksums(pkg)
