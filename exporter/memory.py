@@ -140,3 +140,23 @@ class PeakSampler:
             self.peak = [0.0, 0.0]
         return {"peak_tree_rss_mb": round(rss, 1), "peak_tree_private_mb": round(anon, 1)}
 
+
+def release_freed_memory() -> None:
+    """Hands memory freed inside this process back to the system (glibc's
+    malloc_trim; nothing elsewhere). glibc keeps freed blocks of tens of MB
+    for reuse, so a loop of large temporaries (quantizing layer after
+    layer) would otherwise hold its largest total, not its largest step."""
+    global _trim
+    if _trim is None:
+        try:
+            import ctypes
+
+            _trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _trim = False
+    if _trim:
+        _trim(0)
+
+
+_trim = None
+

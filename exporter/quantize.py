@@ -23,6 +23,7 @@ its float weight).
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from typing import Any, Callable
 
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvexport.exporter.memory import release_freed_memory
 from kvexport.contract.errors import SpecError
 from kvexport.exporter.gguf_codes import GroupCodes, read_gguf_codes
 from kvexport.passes.packed_weights import dequantize_packed, dequantize_rows, pack, pad_rows
@@ -92,28 +94,42 @@ def packed(codes: GroupCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     return pack(codes.codes, bits), pad_rows(codes.scale.float(), bits), pad_rows(codes.offset.float(), bits), bits
 
 
+CHUNK_VALUES = 1 << 24  # minmax quantizes this many values at a time (64 MB of fp32 temporaries)
+
+
 def quantize_weight(weight: torch.Tensor, bits: int, group: int, algorithm: str = "minmax") -> GroupCodes:
     """Codes for a float weight [N, K]: a scale and an offset per group
-    (group 0: per row) from its range or HQQ's search."""
-    w = weight.detach().float()
-    n, k = w.shape
+    (group 0: per row) from its range or HQQ's search. minmax works through
+    the rows in chunks: groups never cross rows, so the codes are the same,
+    and a 1 GB embedding needs 64 MB of temporaries instead of 4 GB."""
+    n, k = weight.shape
     size = group or k
-    grouped = w.reshape(n, k // size, size)
     top = (1 << bits) - 1
     if algorithm == "hqq":
         from torchao.quantization.quant_primitives import _choose_qparams_and_quantize_affine_hqq
 
+        w = weight.detach().float()
         _, inverse, zero, _ = _choose_qparams_and_quantize_affine_hqq(
             w, nbits=bits, group_size=size, compute_dtype=torch.float32, device="cpu", raw_output=True
         )
         scale = inverse.reshape(n, k // size)
         offset = -zero.reshape(n, k // size) * scale
-    else:
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        codes = torch.round((w.reshape(n, k // size, size) - offset[..., None]) / scale[..., None]).clamp(0, top)
+        return GroupCodes(codes.to(torch.uint8).view(n, k), scale, offset, size, bits, str(weight.dtype).removeprefix("torch."))
+    codes = torch.empty(n, k, dtype=torch.uint8)
+    scale = torch.empty(n, k // size)
+    offset = torch.empty(n, k // size)
+    step = max(1, CHUNK_VALUES // k)
+    for start in range(0, n, step):
+        rows = slice(start, min(n, start + step))
+        grouped = weight[rows].detach().float().reshape(-1, k // size, size)
         low, high = grouped.amin(-1), grouped.amax(-1)
-        scale, offset = (high - low) / top, low
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    codes = torch.round((grouped - offset[..., None]) / scale[..., None]).clamp(0, top)
-    return GroupCodes(codes.to(torch.uint8).view(n, k), scale, offset, size, bits, str(weight.dtype).removeprefix("torch."))
+        part = (high - low) / top
+        part = torch.where(part == 0, torch.ones_like(part), part)
+        scale[rows], offset[rows] = part, low
+        codes[rows] = torch.round((grouped - low[..., None]) / part[..., None]).clamp(0, top).to(torch.uint8).view(-1, k)
+    return GroupCodes(codes, scale, offset, size, bits, str(weight.dtype).removeprefix("torch."))
 
 
 def quantize_model(
@@ -133,7 +149,7 @@ def quantize_model(
         owners.setdefault(id(module.weight), []).append(fqn)
     sources = _gguf_sources(gguf, model) if qlinear == "gguf" else None
     sensitive = _sensitive(model, modules, keep_8w, group_size, algorithm, tokenizer, progress) if qlinear == "4w" else set()
-    rows, done = [], {}
+    rows, done, packed_by = [], {}, {}
     for fqn, module in modules.items():
         kind = "linear" if isinstance(module, nn.Linear) else "embedding"
         row: dict[str, Any] = {"module": fqn, "kind": kind, "shape": list(module.weight.shape), "scheme": None, "skipped": None}
@@ -153,9 +169,15 @@ def quantize_model(
                    granularity="per row" if codes.group == module.weight.shape[1] else f"per group of {codes.group}")
         if shares and shares in done and done[shares] is codes:
             row["shared_with"] = shares
+        elif id(codes) not in packed_by:
+            # packed now, the unpacked codes dropped: a model's codes and words are never held at once
+            words = packed(codes)
+            codes = dataclasses.replace(codes, codes=torch.empty(0, dtype=torch.uint8))
+            packed_by[id(codes)] = words
         done[fqn] = codes
         rows.append(row)
-    _install(model, modules, done, rows)
+        release_freed_memory()
+    _install(model, modules, done, rows, packed_by)
     return rows
 
 
@@ -188,15 +210,14 @@ def _matches(fqn: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(fqn, p) for p in patterns if not p.startswith("sensitive:"))
 
 
-def _install(model: nn.Module, modules: dict[str, nn.Module], done: dict[str, GroupCodes], rows: list[dict]) -> None:
-    """Swaps each quantized module for its packed form; modules sharing one
-    Codes share one set of stored tensors."""
-    packed_by: dict[int, tuple] = {}
+def _install(model: nn.Module, modules: dict[str, nn.Module], done: dict[str, GroupCodes], rows: list[dict],
+             packed_by: dict[int, tuple]) -> None:
+    """Swaps each quantized module for its packed form (`packed_by`, by the
+    id of its codes); modules sharing one Codes share one set of stored
+    tensors."""
     by_module = {row["module"]: row for row in rows}
     for fqn, codes in done.items():
         module = modules[fqn]
-        if id(codes) not in packed_by:
-            packed_by[id(codes)] = packed(codes)
         words, scale, offset, bits = packed_by[id(codes)]
         n = module.weight.shape[0]
         if isinstance(module, nn.Linear):

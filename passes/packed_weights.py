@@ -46,16 +46,23 @@ def lanes_of(bits: int) -> int:
     return 32 // bits
 
 
-def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes [N, K] (each < 2**bits) as int32 words [ceil(N / lanes), K]."""
+def pack(codes: torch.Tensor, bits: int, chunk_bytes: int = 64 << 20) -> torch.Tensor:
+    """uint8 codes [N, K] (each < 2**bits) as int32 words [ceil(N / lanes), K],
+    a band of columns at a time (the int64 arithmetic takes 8 bytes a code:
+    a 1 GB embedding's codes at once would take 4 GB)."""
     lanes, (n, k) = lanes_of(bits), codes.shape
     rows = -(-n // lanes)
-    padded = torch.zeros(lanes * rows, k, dtype=torch.int64)
-    padded[:n] = codes.to(torch.int64)
-    words = torch.zeros(rows, k, dtype=torch.int64)
-    for b, lane in enumerate(padded.view(lanes, rows, k)):
-        words |= lane << (bits * b)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    out = torch.empty(rows, k, dtype=torch.int32)
+    width = max(1, chunk_bytes // (8 * lanes * rows))
+    for start in range(0, k, width):
+        cols = slice(start, min(k, start + width))
+        padded = torch.zeros(lanes * rows, cols.stop - start, dtype=torch.int64)
+        padded[:n] = codes[:, cols].to(torch.int64)
+        words = torch.zeros(rows, cols.stop - start, dtype=torch.int64)
+        for b, lane in enumerate(padded.view(lanes, rows, -1)):
+            words |= lane << (bits * b)
+        out[:, cols] = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return out
 
 
 def lane(words: torch.Tensor, bits: int, b: int) -> torch.Tensor:
