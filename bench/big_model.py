@@ -41,6 +41,12 @@ import torch
 from common import cpu_model, emit
 from kvexport.exporter.memory import private_memory_mb
 
+# what Qwen2.5's released configs share (untied head, biased q/k/v)
+QWEN25 = dict(
+    model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=152064, max_position_embeddings=32768,
+    rope_theta=1000000.0, tie_word_embeddings=False, sliding_window=131072, use_sliding_window=False,
+    bos_token_id=151643, eos_token_id=151645,
+)
 SHAPES = {
     # Llama 3.2 1B's config (tied embeddings, rope scaling as released)
     "llama3.2-1b": dict(
@@ -51,21 +57,14 @@ SHAPES = {
                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
         bos_token_id=128000, eos_token_id=128001,
     ),
-    # Qwen2.5 7B's config (untied head, biased q/k/v)
     "qwen2.5-7b": dict(
-        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=3584, intermediate_size=18944,
-        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-        max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
-        sliding_window=131072, max_window_layers=28, use_sliding_window=False,
-        bos_token_id=151643, eos_token_id=151645,
+        QWEN25, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, rms_norm_eps=1e-6, max_window_layers=28,
     ),
-    # Qwen2.5 14B's config: 29.5 GB in bf16, more than a 24 GB machine's memory
+    # 29.5 GB in bf16: more than a 24 GB machine's memory
     "qwen2.5-14b": dict(
-        model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=5120, intermediate_size=13824,
-        num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
-        max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False,
-        sliding_window=131072, max_window_layers=48, use_sliding_window=False,
-        bos_token_id=151643, eos_token_id=151645,
+        QWEN25, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+        num_key_value_heads=8, rms_norm_eps=1e-5, max_window_layers=48,
     ),
     # a small stand-in with the same code path, for trying the script itself
     "llama-small": dict(

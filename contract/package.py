@@ -149,8 +149,7 @@ class PackageWriter:
             p.relative_to(self.root).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
             for p in self.files()
         }
-        (self.root / MANIFEST).write_text(dump_manifest(manifest))
-        _apply_umask(self.root)
+        (self.root / MANIFEST).write_text(dump_manifest(manifest))  # created with the umask's mode
         if check is not None:
             check(self.root)
         if self.overwrite:

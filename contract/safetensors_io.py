@@ -135,15 +135,10 @@ class SafetensorsWriter:
         for part in parts:
             if isinstance(part, TensorRange):
                 for chunk in _chunks(part):
-                    self._write_tensor(chunk.to(dtype))
+                    write_bytes(self.file, chunk.to(dtype))
             else:
-                self._write_tensor(part.detach().to("cpu", dtype))
+                write_bytes(self.file, part.detach().to("cpu", dtype))
         self.next += 1
-
-    def _write_tensor(self, tensor: torch.Tensor) -> None:
-        flat = tensor.contiguous().reshape(-1)
-        if flat.numel():
-            self.file.write(memoryview(flat.view(torch.uint8).numpy()))
 
     def close(self) -> None:
         if self.file.closed:
@@ -152,6 +147,13 @@ class SafetensorsWriter:
         self.file.close()
         if missing:
             raise ValueError(f"safetensors writer: {len(missing)} tensors never written, first {missing[0]!r}")
+
+
+def write_bytes(file, tensor: torch.Tensor) -> None:
+    """A CPU tensor's bytes, in row-major order, appended to an open file."""
+    flat = tensor.contiguous().reshape(-1)
+    if flat.numel():
+        file.write(memoryview(flat.view(torch.uint8).numpy()))
 
 
 def _chunks(source: TensorRange) -> Iterator[torch.Tensor]:

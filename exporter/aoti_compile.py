@@ -72,23 +72,22 @@ def compile_one(job: CompileJob) -> tuple[str, float]:
     # model. Buffers and constants (rotary frequencies, a pass's tensors) are
     # mapped from the file: inductor may fold small ones into the code
     ranges, _ = read_header(job.weights)
-    tensors: dict[tuple[str, bool], torch.Tensor] = {}
+    tensors: dict[tuple[str, bool], torch.Tensor] = {}  # one tensor per stored name: tied names share it
     parameters = set(job.bindings["parameters"])
+    with safe_open(str(job.weights), "pt", device=job.device) as weights:
+        def tensor(name: str) -> torch.Tensor:
+            stored = job.aliases.get(name, name)
+            key = (stored, name in parameters)
+            if key not in tensors:
+                if name in parameters:
+                    tensors[key] = torch.empty(ranges[stored].shape, dtype=ranges[stored].dtype, device=job.device)
+                else:
+                    tensors[key] = weights.get_tensor(stored)
+            return tensors[key]
 
-    def tensor(name: str) -> torch.Tensor:
-        stored = job.aliases.get(name, name)
-        key = (stored, name in parameters)
-        if key not in tensors:
-            if name in parameters:
-                tensors[key] = torch.empty(ranges[stored].shape, dtype=ranges[stored].dtype, device=job.device)
-            else:
-                with safe_open(str(job.weights), "pt", device=job.device) as f:
-                    tensors[key] = f.get_tensor(stored)
-        return tensors[key]
-
-    state = {k: torch.nn.Parameter(tensor(k), requires_grad=False) for k in job.bindings["parameters"]}
-    state.update({k: tensor(k) for k in job.bindings["buffers"]})
-    constants = {k: tensor(k) for k in job.bindings["constants"]}
+        state = {k: torch.nn.Parameter(tensor(k), requires_grad=False) for k in job.bindings["parameters"]}
+        state.update({k: tensor(k) for k in job.bindings["buffers"]})
+        constants = {k: tensor(k) for k in job.bindings["constants"]}
     for spec in job.state:
         constants[spec["name"]] = torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=job.device)
     program = torch_compat.graph_from_json(gzip.decompress(job.graph.read_bytes()), state, constants)

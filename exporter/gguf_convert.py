@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kvexport.contract.errors import ModelError
-from kvexport.contract.safetensors_io import SafetensorsWriter, TensorRange
+from kvexport.contract.safetensors_io import SafetensorsWriter, TensorRange, write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,7 @@ def convert_gguf(gguf: Path, out: Path, progress: Callable[[str], None], resolve
                     raise ModelError(f"{gguf}: two GGUF tensors map to {name}")
                 ranges[name] = TensorRange(scratch_path, name, tensor.dtype, tuple(tensor.shape), scratch.tell(),
                                            tensor.numel() * tensor.element_size())
-                if tensor.numel():
-                    scratch.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+                write_bytes(scratch, tensor)
 
             for i, item in enumerate(reader.tensors, 1):
                 result = processor.process(weights=dequantize(item.data, item.tensor_type), name=item.name,

@@ -9,6 +9,7 @@ size. Both figures are reported."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import threading
@@ -146,17 +147,16 @@ def release_freed_memory() -> None:
     malloc_trim; nothing elsewhere). glibc keeps freed blocks of tens of MB
     for reuse, so a loop of large temporaries (quantizing layer after
     layer) would otherwise hold its largest total, not its largest step."""
-    global _trim
-    if _trim is None:
-        try:
-            import ctypes
-
-            _trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _trim = False
-    if _trim:
-        _trim(0)
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
-_trim = None
+@functools.cache
+def _malloc_trim():
+    try:
+        import ctypes
 
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None

@@ -94,7 +94,7 @@ def source_weights(source: str, dtype: str) -> SourceWeights:
     path = Path(source)
     if source == "smollm2-135m" or (path.is_file() and path.suffix == ".gguf"):
         gguf = _smollm2_gguf() if source == "smollm2-135m" else path
-        converted = cache_dir() / "gguf" / f"{gguf.stem}-{sha256_file(gguf)[:16]}"
+        converted = _gguf_cache(gguf, sha256_file(gguf))
         if not (converted / "config.json").is_file():
             from gguf import GGUFReader  # the whole model is dequantized in memory, once
 
@@ -111,12 +111,11 @@ def source_weights(source: str, dtype: str) -> SourceWeights:
             ranges += read_header(file)[0].values()
         except (OSError, ValueError) as e:
             raise ModelError(f"{file}: not a readable safetensors file ({e}); it may be truncated: download it again") from None
-    foreign_ranges = [r for r in ranges if r.dtype.is_floating_point and r.dtype != target]
-    foreign = sum(r.nbytes for r in foreign_ranges)
     export = sum(r.nbytes // r.dtype.itemsize * target.itemsize if r.dtype.is_floating_point else r.nbytes for r in ranges)
     matrices = sum(r.nbytes // r.dtype.itemsize for r in ranges if len(r.shape) == 2)
     # _in_export_dtype converts a large foreign part on disk; transformers converts a small one in memory
-    in_memory = 0 if foreign >= CONVERT_ON_DISK_BYTES else sum(r.nbytes // r.dtype.itemsize * target.itemsize for r in foreign_ranges)
+    foreign = _foreign(ranges, target)
+    in_memory = 0 if _converts_on_disk(ranges, target) else sum(r.nbytes // r.dtype.itemsize * target.itemsize for r in foreign)
     return SourceWeights(export, in_memory, matrices)
 
 
@@ -186,6 +185,15 @@ CONVERT_ON_DISK_BYTES = 256 << 20  # more weights than this in another dtype: co
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
 
 
+def _foreign(ranges: list, dtype: torch.dtype) -> list:
+    """The floating tensors of a checkpoint that are not in `dtype`."""
+    return [r for r in ranges if r.dtype.is_floating_point and r.dtype != dtype]
+
+
+def _converts_on_disk(ranges: list, dtype: torch.dtype) -> bool:
+    return sum(r.nbytes for r in _foreign(ranges, dtype)) >= CONVERT_ON_DISK_BYTES
+
+
 def _in_export_dtype(path: Path, weights: list[Path], dtype: torch.dtype, progress: Callable[[str], None]) -> Path:
     """A directory whose floating weights are in `dtype`. transformers maps a
     checkpoint whose dtype needs no conversion (its pages are the file's, read
@@ -195,16 +203,14 @@ def _in_export_dtype(path: Path, weights: list[Path], dtype: torch.dtype, progre
     tensor in 64 MB chunks, into the cache, and mapped from there."""
     from kvexport.contract.safetensors_io import SafetensorsWriter, read_header
 
-    headers = {p: read_header(p)[0] for p in weights}
-    foreign = sum(r.nbytes for ranges in headers.values() for r in ranges.values()
-                  if r.dtype.is_floating_point and r.dtype != dtype)
-    if foreign < CONVERT_ON_DISK_BYTES:
+    headers = {p: read_header(p) for p in weights}
+    if not _converts_on_disk([r for ranges, _ in headers.values() for r in ranges.values()], dtype):
         return path
     key = hashlib.sha256(repr([(os.path.realpath(p), p.stat().st_size, p.stat().st_mtime_ns) for p in weights]).encode())
     target = cache_dir() / "converted" / f"{path.absolute().name}-{str(dtype).removeprefix('torch.')}-{key.hexdigest()[:16]}"
     if (target / "config.json").is_file():
         return target
-    total = sum(r.nbytes for ranges in headers.values() for r in ranges.values())
+    total = sum(r.nbytes for ranges, _ in headers.values() for r in ranges.values())
     progress(f"converting {path.name}'s weights to {str(dtype).removeprefix('torch.')} once, on disk "
              f"({total / 1e9:.1f} GB read; cached in {target})")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -214,8 +220,7 @@ def _in_export_dtype(path: Path, weights: list[Path], dtype: torch.dtype, progre
             if item.is_file() and not item.name.endswith(_WEIGHT_SUFFIXES):
                 shutil.copyfile(item, tmp / item.name)  # config, index, tokenizer
         done, start = 0, time.perf_counter()
-        for i, (file, ranges) in enumerate(headers.items(), 1):
-            _, metadata = read_header(file)
+        for i, (file, (ranges, metadata)) in enumerate(headers.items(), 1):
             specs = {n: (dtype if r.dtype.is_floating_point else r.dtype, r.shape) for n, r in ranges.items()}
             with SafetensorsWriter(tmp / file.name, specs, metadata) as out:
                 for name in out.names:
@@ -307,12 +312,17 @@ def _smollm2_gguf() -> Path:
     return ggufs[0]
 
 
+def _gguf_cache(gguf: Path, digest: str) -> Path:
+    """Where a GGUF file's conversion lives: keyed by its name and hash."""
+    return cache_dir() / "gguf" / f"{gguf.stem}-{digest[:16]}"
+
+
 def _converted_gguf(gguf: Path, progress: Callable[[str], None]) -> Path:
     """Converts a GGUF file once to a safetensors directory in the cache,
     keyed by the file's hash, one tensor at a time (exporter/gguf_convert.py);
     later exports map that in under a second."""
     digest = sha256_file(gguf)
-    target = cache_dir() / "gguf" / f"{gguf.stem}-{digest[:16]}"
+    target = _gguf_cache(gguf, digest)
     if (target / "config.json").is_file():
         return target
     progress(f"converting {gguf.name} to safetensors once, one tensor at a time (cached in {target})")

@@ -541,7 +541,8 @@ def write_weights(path: Path, tensors: dict[str, torch.Tensor], source_files: li
     it is ever held whole. Progress every `every_s` seconds: tensors and
     bytes done, the rate and the time left."""
     stacked = {name: parts for name, t in tensors.items() if fused and (parts := fused.parts(t)) is not None}
-    ranges = source_ranges({**tensors, **{f"{n}\0{i}": p for n, parts in stacked.items() for i, p in enumerate(parts)}}, source_files)
+    # a stacked weight's parts are looked up under "<name>\0<k>"
+    ranges = source_ranges({**tensors, **{f"{n}\0{k}": p for n, parts in stacked.items() for k, p in enumerate(parts)}}, source_files)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     done = 0
     start = last = time.perf_counter()
@@ -550,7 +551,7 @@ def write_weights(path: Path, tensors: dict[str, torch.Tensor], source_files: li
         for i, name in enumerate(out.names, 1):
             tensor = tensors[name]
             if name in stacked:
-                out.write(name, [ranges.get(f"{name}\0{i}", part) for i, part in enumerate(stacked[name])])
+                out.write(name, [ranges.get(f"{name}\0{k}", part) for k, part in enumerate(stacked[name])])
             else:
                 out.write(name, ranges.get(name, tensor))
             done += tensor.numel() * tensor.element_size()

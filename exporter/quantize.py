@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvexport.exporter.memory import release_freed_memory
 from kvexport.contract.errors import SpecError
 from kvexport.exporter.gguf_codes import GroupCodes, read_gguf_codes
+from kvexport.exporter.memory import release_freed_memory
 from kvexport.passes.packed_weights import dequantize_packed, dequantize_rows, pack, pad_rows
 
 QLINEAR = ("8w", "4w", "gguf", "8da4w")
@@ -112,11 +112,9 @@ def quantize_weight(weight: torch.Tensor, bits: int, group: int, algorithm: str 
         _, inverse, zero, _ = _choose_qparams_and_quantize_affine_hqq(
             w, nbits=bits, group_size=size, compute_dtype=torch.float32, device="cpu", raw_output=True
         )
-        scale = inverse.reshape(n, k // size)
-        offset = -zero.reshape(n, k // size) * scale
-        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-        codes = torch.round((w.reshape(n, k // size, size) - offset[..., None]) / scale[..., None]).clamp(0, top)
-        return GroupCodes(codes.to(torch.uint8).view(n, k), scale, offset, size, bits, str(weight.dtype).removeprefix("torch."))
+        offset = -zero.reshape(n, k // size) * inverse.reshape(n, k // size)
+        codes, scale = _encode(w.reshape(n, k // size, size), offset, inverse.reshape(n, k // size), top)
+        return GroupCodes(codes.view(n, k), scale, offset, size, bits, str(weight.dtype).removeprefix("torch."))
     codes = torch.empty(n, k, dtype=torch.uint8)
     scale = torch.empty(n, k // size)
     offset = torch.empty(n, k // size)
@@ -125,11 +123,16 @@ def quantize_weight(weight: torch.Tensor, bits: int, group: int, algorithm: str 
         rows = slice(start, min(n, start + step))
         grouped = weight[rows].detach().float().reshape(-1, k // size, size)
         low, high = grouped.amin(-1), grouped.amax(-1)
-        part = (high - low) / top
-        part = torch.where(part == 0, torch.ones_like(part), part)
-        scale[rows], offset[rows] = part, low
-        codes[rows] = torch.round((grouped - low[..., None]) / part[..., None]).clamp(0, top).to(torch.uint8).view(-1, k)
+        part_codes, scale[rows] = _encode(grouped, low, (high - low) / top, top)
+        codes[rows], offset[rows] = part_codes.view(-1, k), low
     return GroupCodes(codes, scale, offset, size, bits, str(weight.dtype).removeprefix("torch."))
+
+
+def _encode(grouped: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 codes of `grouped` [rows, groups, size] and the scale used (a
+    zero scale, a constant group, becomes 1)."""
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.round((grouped - offset[..., None]) / scale[..., None]).clamp(0, top).to(torch.uint8), scale
 
 
 def quantize_model(

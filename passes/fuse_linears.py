@@ -108,7 +108,7 @@ def _compatible(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
         return w.dtype, w.shape[1], given.get("bias") is None
 
     keys = [key(n) for n in nodes]
-    best = max(set(keys), key=keys.count)
+    best = max(keys, key=keys.count)  # on a tie, the first in graph order: the same in every export
     return [n for n, k in zip(nodes, keys) if k == best]
 
 
