@@ -74,6 +74,9 @@ def load_model(source: str, dtype: str = "fp32", progress: Callable[[str], None]
     )
 
 
+GGUF_HELD_COPIES = 3
+
+
 @dataclass(frozen=True)
 class SourceWeights:
     """What a source's weights will cost in memory, read from file headers
@@ -96,11 +99,13 @@ def source_weights(source: str, dtype: str) -> SourceWeights:
         gguf = _smollm2_gguf() if source == "smollm2-135m" else path
         converted = _gguf_cache(gguf, sha256_file(gguf))
         if not (converted / "config.json").is_file():
-            from gguf import GGUFReader  # the whole model is dequantized in memory, once
+            from gguf import GGUFReader
 
             values = [int(t.n_elements) for t in GGUFReader(str(gguf)).tensors]
-            total = sum(values) * target.itemsize
-            return SourceWeights(total, total, sum(v for v in values if v > 1 << 16))
+            # the conversion (gguf_convert.py) holds one tensor at a time: gguf's
+            # dequantized array, the processor's copy and the fp32 tensor
+            return SourceWeights(sum(values) * target.itemsize, GGUF_HELD_COPIES * max(values) * 4,
+                                 sum(v for v in values if v > 1 << 16))
         path = converted
     elif not path.is_dir() and _REPO_ID.fullmatch(source):
         path = _from_hf_cache(source)

@@ -235,6 +235,8 @@ def test_gguf_streams_to_what_transformers_dequantizes(tmp_path, monkeypatch):
 
     monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path / "cache"))
     gguf = _tiny_gguf(tmp_path / "tiny.gguf")
+    plan = models.source_weights(str(gguf), "fp32")  # before conversion: one tensor at a time is held
+    assert plan.private_bytes == models.GGUF_HELD_COPIES * 128 * 64 * 4 < plan.export_bytes  # the largest: ffn [128, 64]
     loaded = models.load_model(str(gguf))
     [weights] = loaded.weight_files
     ours = load_file(str(weights))
