@@ -7,36 +7,31 @@ product comes to them, in one run:
   in cache (GFLOP/s);
 - the rate at which products with 1 to 8 rows read 48 layer-sized fp32
   weights (GB/s): the BLAS as `x @ W.T` (`F.linear`) and as `W @ x.T` (the
-  weight-stationary layout the CPU backends use), against the reduction
-  inductor generates itself (`(x[:, None] * w).sum(-1)`);
+  weight-stationary layout the CPU backends use), against kvexport's row
+  kernel (exporter/row_kernel.cpp, what aoti packages run on x86);
+- the row kernel's own rate at 1 to 16 rows on a weight in cache (GFLOP/s);
 - with `--package` (an fp32 one), the floors of its decode step: weight bytes
   at the best read rate (batch 1) and 2 x parameters x 8 FLOP at the BLAS's
-  8-row GEMM rate (8 sessions).
+  and at the row kernel's 8-row rate (8 sessions).
 
     python bench/floor.py [--package PKG]
 
-Set ATEN_CPU_CAPABILITY=avx2 to see inductor's AVX2 code on an AVX-512
-machine, and MKL_ENABLE_INSTRUCTIONS=AVX2 to see the BLAS's AVX2 path.
+Set ATEN_CPU_CAPABILITY=avx2 to see the row kernel's AVX2 build on an
+AVX-512 machine, and MKL_ENABLE_INSTRUCTIONS=AVX2 to see the BLAS's AVX2
+path.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-# torch.compile's cache does not key on ATEN_CPU_CAPABILITY: a kernel
-# generated for AVX-512 and rebuilt for AVX2 from the cache computed wrong
-# sums here (torch 2.13). A fresh cache per run keeps each ISA's code its own.
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="kvexport-floor-"))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from common import best_of, cpu_model, emit  # noqa: E402
+from common import best_of, cpu_model, emit
 
 
 def read_rate(gib: float = 1.0, runs: int = 7) -> dict[str, float]:
@@ -70,8 +65,24 @@ def _weight_stationary(x: torch.Tensor, weights: list[torch.Tensor]) -> list[tor
     return [torch.mm(w, xt).t()[: x.shape[0]] for w in weights]
 
 
-def _reduction(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [(x[:, None, :] * w[None, :, :]).sum(-1) for w in weights]
+def _row_kernel(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    from kvexport.exporter.row_kernel import shared_kernel
+
+    kernel = shared_kernel().kvexport_rows_linear
+    outs = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+    for w, out in zip(weights, outs):
+        kernel(x.data_ptr(), x.stride(0), w.data_ptr(), out.data_ptr(), x.shape[0], w.shape[0], w.shape[1])
+    return outs
+
+
+def row_kernel_rates(out_features: int = 1536, in_features: int = 576) -> dict[int, float]:
+    w = torch.randn(out_features, in_features)
+    rates = {}
+    for rows in (1, 2, 4, 8, 16):
+        x = torch.randn(rows, in_features)
+        seconds = best_of(lambda: _row_kernel(x, [w]), 50)
+        rates[rows] = round(2 * rows * out_features * in_features / seconds / 1e9, 1)
+    return rates
 
 
 def weight_read_rates(layers: int = 48, shape: tuple[int, int] = (1536, 576)) -> dict[str, dict[int, float]]:
@@ -79,10 +90,9 @@ def weight_read_rates(layers: int = 48, shape: tuple[int, int] = (1536, 576)) ->
     size (170 MB in all, more than the caches hold, each one fits in L2/L3
     as a real layer's does)."""
     weights = [torch.randn(shape) for _ in range(layers)]
-    ways = {"blas_x_wt": _linear, "blas_weight_stationary": _weight_stationary,
-            "generated_reduction": torch.compile(_reduction, dynamic=False)}
+    ways = {"blas_x_wt": _linear, "blas_weight_stationary": _weight_stationary, "row_kernel": _row_kernel}
     rates: dict[str, dict[int, float]] = {name: {} for name in ways}
-    for rows in (1, 2, 4, 8):
+    for rows in (1, 2, 4, 8, 16):
         x = torch.randn(rows, shape[1])
         expected = _linear(x, weights)
         for name, fn in ways.items():
@@ -92,7 +102,7 @@ def weight_read_rates(layers: int = 48, shape: tuple[int, int] = (1536, 576)) ->
     return rates
 
 
-def package_floors(package: Path, read_gbps: float, gemm_8_rows: float) -> dict[str, float]:
+def package_floors(package: Path, read_gbps: float, gemm_8_rows: float, kernel_8_rows: float) -> dict[str, float]:
     from safetensors import safe_open
 
     weights = package / "weights.safetensors"
@@ -106,6 +116,7 @@ def package_floors(package: Path, read_gbps: float, gemm_8_rows: float) -> dict[
         "stored_values": params,
         "sessions8_compute_floor_ms": round(2 * 8 * params / (gemm_8_rows * 1e9) * 1e3, 2),
         "sessions8_compute_floor_tokens_per_s": round(8 / (2 * 8 * params / (gemm_8_rows * 1e9)), 1),
+        "sessions8_row_kernel_compute_floor_ms": round(2 * 8 * params / (kernel_8_rows * 1e9) * 1e3, 2),
     }
 
 
@@ -122,15 +133,17 @@ def main() -> None:
     args = parser.parse_args()
     read = read_rate()
     gemm = gemm_rates()
+    kernel = row_kernel_rates()
     result = {
         "cpu": cpu_model(),
         "threads": torch.get_num_threads(),
         "read": read,
         "blas_gemm_gflops_by_rows": gemm,
+        "row_kernel_gflops_by_rows": kernel,
         "weight_read_gbps_by_rows": weight_read_rates(),
     }
     if args.package:
-        result["package"] = package_floors(args.package, read["best_gbps"], gemm[8])
+        result["package"] = package_floors(args.package, read["best_gbps"], gemm[8], kernel[8])
     emit(result)
 
 

@@ -50,6 +50,8 @@ class CompileJob:
     output: Path
     device: str = "cpu"
     state: tuple = ()  # runtime-owned buffers (ingraph_kv's cache): zeros stand in while compiling
+    kernel_rows: tuple = ()  # fp32 linears over these static row counts call the row kernel
+    kernel_archive: Path | None = None  # the folder of the row kernel's static library (exporter/row_kernel.py)
 
 
 def compile_one(job: CompileJob) -> tuple[str, float]:
@@ -92,8 +94,18 @@ def compile_one(job: CompileJob) -> tuple[str, float]:
         constants[spec["name"]] = torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=job.device)
     program = torch_compat.graph_from_json(gzip.decompress(job.graph.read_bytes()), state, constants)
     program.example_inputs = (tuple(t.to(job.device) for t in example_inputs(job.inputs)), {})
+    configs = dict(INDUCTOR_CONFIGS)
+    if job.kernel_rows:
+        from kvexport.exporter.row_kernel import inductor_configs
+        from kvexport.passes.base import run_passes
+        from kvexport.passes.row_kernel_linear import RowKernelLinearPass
+
+        run_passes(program.graph_module, [RowKernelLinearPass(job.kernel_rows)], job.method)
+        configs |= inductor_configs()
+        # the link finds lib<name>.a through LIBRARY_PATH (inductor passes -l<name> only)
+        os.environ["LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(job.kernel_archive), os.environ.get("LIBRARY_PATH")]))
     with compile_directory(job.method) as directory, temporary_cache_dir(str(directory)):
-        torch._inductor.aoti_compile_and_package(program, package_path=str(job.output), inductor_configs=INDUCTOR_CONFIGS)
+        torch._inductor.aoti_compile_and_package(program, package_path=str(job.output), inductor_configs=configs)
     return job.method, time.perf_counter() - start
 
 

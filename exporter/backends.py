@@ -79,30 +79,42 @@ def _aoti_partitioners(spec) -> list:
     import torch
 
     from kvexport.contract.errors import ExportError
-    from kvexport.exporter.kernel_probe import reduction_rows
+    from kvexport.exporter.kernel_probe import kernel_rows
     from kvexport.partitioners.aoti import AotiPartitioner
 
     if spec.device == "cuda" and not torch.cuda.is_available():
         raise ExportError("--device cuda needs a CUDA GPU, and torch sees none on this machine")
-    return [AotiPartitioner(spec.device, reduction_rows=reduction_rows(spec.device))]
+    rows = kernel_rows(spec.device, spec.row_kernel)
+    if rows:
+        from kvexport.exporter.row_kernel import archive_dir
+
+        archive_dir()  # built (once per machine) before any work, so a missing compiler fails first
+    return [AotiPartitioner(spec.device, kernel_rows=rows)]
 
 
 def _aoti_entry(spec) -> dict:
-    from kvexport.exporter.kernel_probe import reduction_rows
+    from kvexport.exporter.kernel_probe import kernel_rows
     from kvexport.partitioners.aoti import compile_target
 
-    return {"target": compile_target(spec.device) | {"fp32_reduction_rows": reduction_rows(spec.device)}}
+    return {"target": compile_target(spec.device) | {"fp32_kernel_rows": list(kernel_rows(spec.device, spec.row_kernel))}}
 
 
 def _aoti_compile(ctx: CompileContext) -> dict[str, str]:
     """Every method compiled by AOTInductor in worker processes, the weights
     left out of the code (the runtime binds the package's one copy)."""
     from kvexport.contract.package import program_path
+    from kvexport.exporter import row_kernel
     from kvexport.exporter.aoti_compile import CompileJob, compile_methods
+    from kvexport.exporter.kernel_probe import kernel_rows
 
+    rows = kernel_rows(ctx.spec.device, ctx.spec.row_kernel)
+    archive = row_kernel.archive_dir() if rows else None
+    if rows:
+        ctx.progress(f"row kernel for fp32 products over {','.join(map(str, rows))} rows: {archive}")
     jobs = [
         CompileJob(name, ctx.root / entry["program"], ctx.weights, ctx.bindings[name], ctx.aliases, entry["inputs"],
-                   ctx.root / program_path(name, compiled=True), ctx.spec.device, entry.get("state", []))
+                   ctx.root / program_path(name, compiled=True), ctx.spec.device, entry.get("state", []),
+                   rows, archive)
         for name, entry in ctx.methods.items()
     ]
     compile_methods(jobs, ctx.spec.compile_workers, ctx.progress)

@@ -1,13 +1,13 @@
-"""Which kernel reads an fp32 weight faster for a product with a few rows on
-this machine: the BLAS (as `W @ x.T`, passes/weight_stationary_linear.py) or
-the reduction inductor generates itself (passes/reduction_linear.py).
+"""Which kernel runs an fp32 product over a few rows faster on this machine:
+the BLAS (as `W @ x.T`, passes/weight_stationary_linear.py) or kvexport's
+row kernel (exporter/row_kernel.cpp, passes/row_kernel_linear.py).
 
-Measured once per machine (CPU model, instruction set, threads, torch) and
-kept in kvexport's cache directory, so every export on a machine makes the
-same choice and two exports of the same inputs stay identical. The answer
-is the largest row count up to which the reduction read the weights at
-least MARGIN x faster than the BLAS at every probed count; 0 keeps every
-product on the BLAS.
+Measured once per machine (CPU model, instruction set, threads, torch, the
+kernel's source) and kept in kvexport's cache directory, so every export on
+a machine makes the same choice and two exports of the same inputs stay
+identical. Each row count 1..MAX_ROWS is timed over a set of weights larger
+than the caches, the two kernels interleaved, and the row kernel takes the
+counts where its median beats the BLAS's by MARGIN.
 """
 
 from __future__ import annotations
@@ -17,103 +17,115 @@ import hashlib
 import json
 import logging
 import platform
-import tempfile
+import statistics
 import time
 from pathlib import Path
 
+from kvexport.contract.errors import ExportError
+
 log = logging.getLogger(__name__)
 
-PROBE_ROWS = (1, 2, 4, 8)
-MARGIN = 1.15  # timing noise on a shared machine is about 10%
+MAX_ROWS = 16
+MARGIN = 1.05  # medians of interleaved runs: the row kernel must win clearly
 SHAPE = (2048, 1024)  # one weight: 8 MiB in fp32, a layer's size
 LAYERS = 24  # 192 MiB in all: more than the caches hold
-VERSION = 1
+REPEATS = 7
+VERSION = 2
+MODES = ("auto", "on", "off")
 
 
-def reduction_rows(device: str) -> int:
-    """Row counts 1..N run as generated reductions on this machine."""
-    if device != "cpu":
-        return 0
+def kernel_rows(device: str, mode: str = "auto") -> tuple[int, ...]:
+    """The static row counts whose fp32 products run on the row kernel."""
+    from kvexport.exporter import row_kernel
+
+    if device != "cpu" or mode == "off" or not row_kernel.supported():
+        return ()
+    if mode == "on":
+        return tuple(range(1, MAX_ROWS + 1))
     path = _cache_path()
     try:
-        rows = json.loads(path.read_text())["reduction_rows"]
-        if isinstance(rows, int) and 0 <= rows <= max(PROBE_ROWS):
-            return rows
+        rows = json.loads(path.read_text())["kernel_rows"]
+        if isinstance(rows, list) and all(isinstance(r, int) and 1 <= r <= MAX_ROWS for r in rows):
+            return tuple(rows)
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    log.info("measuring this CPU's fp32 product kernels (once per machine; about 20 s)")
-    rates = measure()
+    log.info("measuring this CPU's fp32 product kernels (once per machine; about 10 s)")
+    try:
+        rates = measure()
+    except ExportError as e:  # auto never fails an export: the BLAS serves, and the next export tries again
+        log.warning("the row kernel is not available, fp32 products stay on the BLAS: %s", e)
+        return ()
     rows = choose_rows(rates)
-    _write(path, {"version": VERSION, "reduction_rows": rows, "gbps": rates, "machine": _machine()})
-    chosen = f"generated reductions over 1..{rows} rows" if rows else "the BLAS at every row count"
-    log.info("fp32 products: %s (weight-read GB/s by rows: %s)", chosen, rates)
+    _write(path, {"version": VERSION, "kernel_rows": list(rows), "gbps": rates, "machine": _machine()})
+    log.info("fp32 products on the row kernel at rows %s, on the BLAS otherwise (weight-read GB/s by rows: %s)",
+             ",".join(map(str, rows)) or "none", rates)
     return rows
 
 
-def choose_rows(rates: dict[str, dict[int, float]]) -> int:
-    """The largest count R such that the reduction beat the BLAS by MARGIN at
-    every probed count up to R."""
-    best = 0
-    for rows in PROBE_ROWS:
-        if rates["reduction"][rows] < MARGIN * rates["blas"][rows]:
-            break
-        best = rows
-    return best
+def choose_rows(rates: dict[str, dict[int, float]]) -> tuple[int, ...]:
+    """Every row count at which the row kernel read the weights MARGIN x
+    faster than the BLAS."""
+    return tuple(r for r in sorted(rates["kernel"]) if rates["kernel"][r] >= MARGIN * rates["blas"][r])
 
 
 def measure() -> dict[str, dict[int, float]]:
+    """Weight-read GB/s (median of REPEATS) of each kernel at 1..MAX_ROWS rows."""
     import torch
-    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
+    from kvexport.exporter.row_kernel import shared_kernel
+    from kvexport.passes.weight_stationary_linear import WeightStationaryLinearPass
+
+    kernel = shared_kernel().kvexport_rows_linear
     weights = [torch.randn(SHAPE) for _ in range(LAYERS)]
+    stationary = WeightStationaryLinearPass().max_rows
 
-    def blas(x):
+    def blas(x):  # as the BLAS runs without the kernel: weight-stationary up to its row limit
+        if x.shape[0] > stationary:
+            return [torch.nn.functional.linear(x, w) for w in weights]
         xt = (torch.nn.functional.pad(x, (0, 0, 0, 1)) if x.shape[0] == 1 else x).t()
-        return [torch.mm(w, xt) for w in weights]
+        return [torch.mm(w, xt).t() for w in weights]
 
-    def reduction(x):
-        return [(x[:, None, :] * w[None]).sum(-1) for w in weights]
+    def rows(x):
+        outs = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
+        for w, out in zip(weights, outs):
+            kernel(x.data_ptr(), x.shape[1], w.data_ptr(), out.data_ptr(), x.shape[0], w.shape[0], w.shape[1])
+        return outs
 
-    rates: dict[str, dict[int, float]] = {"blas": {}, "reduction": {}}
-    # a fresh inductor cache: torch.compile's does not key on the instruction
-    # set (ATEN_CPU_CAPABILITY), and code rebuilt from it for AVX2 summed wrong
-    with tempfile.TemporaryDirectory(prefix="kvexport-probe-") as fresh, temporary_cache_dir(fresh):
-        compiled = torch.compile(reduction, dynamic=False)
-        for rows in PROBE_ROWS:
-            x = torch.randn(rows, SHAPE[1])
-            got, want = compiled(x)[0], blas(x)[0].t()[:rows]
-            if not torch.allclose(got, want, rtol=1e-3, atol=1e-3):  # a miscompile never wins
-                rates["blas"][rows], rates["reduction"][rows] = 1.0, 0.0
-                continue
-            for name, fn in (("blas", blas), ("reduction", compiled)):
-                rates[name][rows] = round(LAYERS * weights[0].numel() * 4 / _best_seconds(lambda: fn(x)) / 1e9, 1)
+    rates: dict[str, dict[int, float]] = {"blas": {}, "kernel": {}}
+    gigabytes = LAYERS * weights[0].numel() * 4 / 1e9
+    for count in range(1, MAX_ROWS + 1):
+        x = torch.randn(count, SHAPE[1])
+        if not torch.allclose(rows(x)[0], blas(x)[0][:count], rtol=1e-4, atol=1e-4):  # a wrong kernel never wins
+            rates["blas"][count], rates["kernel"][count] = 1.0, 0.0
+            continue
+        times: dict[str, list[float]] = {"blas": [], "kernel": []}
+        for _ in range(REPEATS):
+            for name, fn in (("blas", blas), ("kernel", rows)):
+                start = time.perf_counter()
+                fn(x)
+                times[name].append(time.perf_counter() - start)
+        for name, seconds in times.items():
+            rates[name][count] = round(gigabytes / statistics.median(seconds), 1)
     return rates
-
-
-def _best_seconds(fn, repeats: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def _machine() -> dict:
     import torch
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
+    from kvexport.exporter.row_kernel import SOURCE
+
     model = "unknown"
     with contextlib.suppress(OSError):
         model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("model name")), model)
     return {"cpu": model, "isa": str(pick_vec_isa()), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "machine": platform.machine()}
+            "torch": torch.__version__, "machine": platform.machine(),
+            "kernel": hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}
 
 
 def _cache_path() -> Path:
-    from kvexport.exporter.models import cache_dir
+    from kvexport.contract.package import cache_dir
 
     key = hashlib.sha256(json.dumps([VERSION, _machine()], sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir() / "probes" / f"fp32-products-{key}.json"

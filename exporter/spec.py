@@ -18,6 +18,7 @@ from kvexport.exporter.memory import parse_size
 from kvexport.exporter.quantize import ALGORITHMS, QEMBEDDING, QLINEAR
 from kvexport.contract.errors import SpecError
 from kvexport.contract.manifest import CONTRACTS, DEVICES, DTYPES, INGRAPH_KV, OFFGRAPH_KV
+from kvexport.exporter.kernel_probe import MODES as ROW_KERNEL_MODES
 
 DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -42,6 +43,7 @@ class ExportSpec:
     backend: str = "portable"
     device: str = "cpu"  # aoti: the device the methods are compiled for
     compile_workers: int = 0  # aoti: parallel compile processes (0: one per core, at most one per method)
+    row_kernel: str = "auto"  # aoti on x86: fp32 products over few rows on kvexport's kernel: auto (measured) | on | off
     overwrite: bool = False
     verify: bool = True  # store reference tokens and check the package reproduces them before it is written
     verify_tokens: int = 8  # greedy tokens per probe
@@ -125,6 +127,8 @@ class ExportSpec:
             parse_size(self.max_memory)
         if not _is_int(self.compile_workers) or self.compile_workers < 0:
             raise SpecError(f"--compile-workers must be >= 0 (0: one per core), got {self.compile_workers!r}")
+        if self.row_kernel not in ROW_KERNEL_MODES:
+            raise SpecError(f"--row-kernel must be one of {', '.join(ROW_KERNEL_MODES)}, got {self.row_kernel!r}")
         return self
 
 

@@ -13,7 +13,7 @@ from kvexport.partitioners.portable import PortablePartitioner
 from kvexport.passes.base import Pass
 from kvexport.passes.packed_weights import FusedPackedLinearPass
 from kvexport.passes.quantized_weights import FusedDequantizeMatmulPass
-from kvexport.passes.reduction_linear import ReductionLinearPass
+from kvexport.passes.weight_stationary_linear import WeightStationaryLinearPass
 
 
 def compile_target(device: str) -> dict:
@@ -40,9 +40,11 @@ class AotiPartitioner(PortablePartitioner):
 
     backend_id = "aoti"
 
-    def __init__(self, device: str = "cpu", reduction_rows: int = 0):
+    def __init__(self, device: str = "cpu", kernel_rows: tuple[int, ...] = ()):
         self.device = device
-        self.reduction_rows = reduction_rows  # fp32 products over 1..N rows as generated reductions
+        # fp32 products over these static row counts stay linears here: the
+        # compile gives them to the row kernel (passes/row_kernel_linear.py)
+        self.kernel_rows = tuple(kernel_rows)
 
     def packed_kernel_passes(self) -> list[Pass]:
         return [FusedPackedLinearPass()] if self.device == "cpu" else []
@@ -50,5 +52,4 @@ class AotiPartitioner(PortablePartitioner):
     def kernel_choice_passes(self) -> list[Pass]:
         if self.device != "cpu":
             return super().kernel_choice_passes()
-        reductions = [ReductionLinearPass(self.reduction_rows)] if self.reduction_rows else []
-        return [FusedDequantizeMatmulPass(), *reductions, *super().kernel_choice_passes()]
+        return [FusedDequantizeMatmulPass(), WeightStationaryLinearPass(skip_rows=self.kernel_rows)]

@@ -11,7 +11,8 @@ both layouts for a model's weight shapes on the machine at hand.
 
 Only static row counts up to `max_rows` are rewritten: over many rows (a
 prefill) both layouts are compute-bound and alike, and a dynamic count could
-not choose the padding.
+not choose the padding. Row counts in `skip_rows` stay linears: the AOTInductor
+backend gives those to its row kernel (passes/row_kernel_linear.py).
 """
 
 from __future__ import annotations
@@ -68,6 +69,13 @@ class Fp32LinearRewrite(RewritePass):
 class WeightStationaryLinearPass(Fp32LinearRewrite):
     name = "weight_stationary_linear"
     leftover = "linears left in the row-major layout"
+
+    def __init__(self, max_rows: int = 8, skip_rows: tuple[int, ...] = ()):
+        super().__init__(max_rows)
+        self.skip_rows = frozenset(skip_rows)
+
+    def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+        return [n for n in super().candidates(graph_module) if self.parts(n)[5] not in self.skip_rows]
 
     def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
         x, weight, bias, lead, width, rows, out_features = self.parts(node)

@@ -18,6 +18,8 @@ def export_tiny(model: str, out, *, check_package=_check_package, transform_pass
     """Exports as the CLI does: the package must reproduce its reference
     tokens (unless verify=False) before it is written."""
     flags = dict(model=model, output=str(out), use_offgraph_kv_cache=True, **TINY_LAYOUT)
+    if overrides.get("backend") == "aoti":
+        flags["row_kernel"] = "on"  # every token test of an aoti package runs the row kernel, on any machine
     flags.update(overrides)
     return export_package(build_spec(flags=flags), progress=lambda message: None, check_package=check_package,
                           transform_passes=transform_passes)

@@ -50,6 +50,25 @@ def test_manifest_records_the_compile_target(aoti_package):
         assert not [n for n in names if "/constants/" in n or "/weights/" in n]
 
 
+def test_static_methods_carry_the_row_kernel(aoti_package):
+    """fp32 products over a static row count run on the row kernel linked
+    into the method's own library; the stored program stays plain aten."""
+    import gzip
+    import zipfile
+
+    from kvexport.exporter import row_kernel
+
+    if not row_kernel.supported():
+        pytest.skip("the row kernel needs x86 with AVX2 or AVX-512")
+    manifest = json.loads((aoti_package / "manifest.json").read_text())
+    assert manifest["backend"]["target"]["fp32_kernel_rows"] == list(range(1, 17))
+    for name, entry in manifest["methods"].items():
+        with zipfile.ZipFile(aoti_package / entry["compiled"]) as archive:
+            library = b"".join(archive.read(n) for n in archive.namelist() if n.endswith(".so"))
+        assert (b"kvexport_rows_linear" in library) == (name.startswith("forward_") and name != "forward_others"), name
+        assert b"rows_linear" not in gzip.decompress((aoti_package / entry["program"]).read_bytes())
+
+
 @pytest.mark.parametrize(
     "key,value,needs",
     [("torch", "2.0.0", "torch 2.0.0"), ("cpu_isa", "avx1024", "CPU instructions avx1024"), ("device", "cuda", None)],

@@ -13,7 +13,7 @@ from kvexport.passes.check_step_width import USER_INPUTS_META
 from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
 from kvexport.passes.packed_weights import FusedPackedLinearPass
 from kvexport.passes.quantized_weights import FusedDequantizeMatmulPass
-from kvexport.passes.reduction_linear import ReductionLinearPass
+from kvexport.passes.row_kernel_linear import ROWS_LINEAR, RowKernelLinearPass
 from kvexport.passes.weight_stationary_linear import WeightStationaryLinearPass
 
 
@@ -65,42 +65,53 @@ def test_weight_stationary_linear_leaves_dynamic_and_wide_products():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5])
-def test_reduction_linear_rewrites_rows_up_to_its_limit_and_keeps_results(rows):
+def test_row_kernel_linear_takes_its_row_counts_and_leaves_the_rest_to_the_blas(rows):
     torch.manual_seed(0)
     block, tokens = Block().eval(), tokens_of(rows)
     program = exported(block, tokens)
-    run_passes(program.graph_module, [ReductionLinearPass(max_rows=2), WeightStationaryLinearPass()], "m")
+    kernel_rows = (1, 2)
+    passes = [RowKernelLinearPass(kernel_rows), WeightStationaryLinearPass(skip_rows=kernel_rows)]
+    run_passes(program.graph_module, passes, "m")
     ops = targets(program)
     assert torch.ops.aten.linear.default not in ops
-    assert ops.count(torch.ops.aten.sum.dim_IntList) == (2 if rows <= 2 else 0)
-    assert ops.count(torch.ops.aten.mm.default) == (0 if rows <= 2 else 2)
+    assert ops.count(ROWS_LINEAR) == (2 if rows in kernel_rows else 0)
+    assert ops.count(torch.ops.aten.mm.default) == (0 if rows in kernel_rows else 2)
     torch.testing.assert_close(program.module()(tokens), block(tokens), rtol=1e-5, atol=1e-5)
 
 
-def test_reduction_rows_follow_the_measured_rates():
+def test_weight_stationary_linear_leaves_the_row_kernels_counts_as_linears():
+    program = exported(Block().eval(), tokens_of(4))
+    run_passes(program.graph_module, [WeightStationaryLinearPass(skip_rows=(4,))], "m")
+    assert targets(program).count(torch.ops.aten.linear.default) == 2
+
+
+def test_kernel_rows_follow_the_measured_rates():
     from kvexport.exporter.kernel_probe import choose_rows
 
-    def rates(reduction):
-        return {"blas": {1: 20.0, 2: 20.0, 4: 20.0, 8: 20.0}, "reduction": dict(zip((1, 2, 4, 8), reduction))}
+    def rates(kernel):
+        return {"blas": {1: 20.0, 2: 20.0, 4: 20.0, 8: 20.0}, "kernel": dict(zip((1, 2, 4, 8), kernel))}
 
-    assert choose_rows(rates([30, 30, 10, 30])) == 2  # the first loss ends the run
-    assert choose_rows(rates([21, 30, 30, 30])) == 0  # within the noise margin: the BLAS stays
-    assert choose_rows(rates([40, 40, 40, 40])) == 8
+    assert choose_rows(rates([30, 10, 30, 30])) == (1, 4, 8)  # each count on its own
+    assert choose_rows(rates([20.5, 20, 19, 18])) == ()  # within the noise margin: the BLAS stays
+    assert choose_rows(rates([40, 40, 40, 40])) == (1, 2, 4, 8)
 
 
 def test_kernel_probe_measures_once_per_machine(tmp_path, monkeypatch):
-    from kvexport.exporter import kernel_probe
+    from kvexport.exporter import kernel_probe, row_kernel
 
     monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(row_kernel, "supported", lambda: True)
     calls = []
     monkeypatch.setattr(kernel_probe, "measure", lambda: calls.append(1) or {
-        "blas": {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0}, "reduction": {1: 20.0, 2: 20.0, 4: 5.0, 8: 5.0}})
-    assert kernel_probe.reduction_rows("cpu") == 2 and kernel_probe.reduction_rows("cpu") == 2
+        "blas": {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0}, "kernel": {1: 5.0, 2: 20.0, 4: 20.0, 8: 5.0}})
+    assert kernel_probe.kernel_rows("cpu") == (2, 4) and kernel_probe.kernel_rows("cpu") == (2, 4)
     assert calls == [1]
     [kept] = (tmp_path / "probes").iterdir()
     kept.write_text("{not json")  # a damaged cache file is measured again, not trusted
-    assert kernel_probe.reduction_rows("cpu") == 2 and calls == [1, 1]
-    assert kernel_probe.reduction_rows("cuda") == 0
+    assert kernel_probe.kernel_rows("cpu") == (2, 4) and calls == [1, 1]
+    assert kernel_probe.kernel_rows("cpu", "on") == tuple(range(1, kernel_probe.MAX_ROWS + 1))
+    assert kernel_probe.kernel_rows("cpu", "off") == () and kernel_probe.kernel_rows("cuda", "on") == ()
+    assert calls == [1, 1]  # on and off measure nothing
 
 
 def quantized_block(scheme: str) -> nn.Module:
@@ -168,9 +179,8 @@ def test_partitioners_choose_kernels_by_device():
     cuda = names(AotiPartitioner("cuda"))  # the layouts were measured on the CPU's BLAS only
     assert "fused_dequantize_matmul" not in cuda and "weight_stationary_linear" not in cuda
     assert cpu.index("fused_packed_linear") < cpu.index("decompose_custom_ops")
-    assert "reduction_linear" not in cpu
-    measured = names(AotiPartitioner("cpu", reduction_rows=2))
-    assert measured.index("reduction_linear") < measured.index("weight_stationary_linear")
+    skipped = AotiPartitioner("cpu", kernel_rows=(2, 8)).kernel_choice_passes()[-1]
+    assert skipped.name == "weight_stationary_linear" and skipped.skip_rows == {2, 8}  # the compile takes those
     assert cuda[:1] == ["decompose_custom_ops"]
 
 
