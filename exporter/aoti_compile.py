@@ -102,11 +102,25 @@ def compile_one(job: CompileJob) -> tuple[str, float]:
 
         run_passes(program.graph_module, [RowKernelLinearPass(job.kernel_rows)], job.method)
         configs |= inductor_configs()
-        # the link finds lib<name>.a through LIBRARY_PATH (inductor passes -l<name> only)
-        os.environ["LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(job.kernel_archive), os.environ.get("LIBRARY_PATH")]))
-    with compile_directory(job.method) as directory, temporary_cache_dir(str(directory)):
+    with compile_directory(job.method) as directory, temporary_cache_dir(str(directory)), _library_path(job.kernel_archive):
         torch._inductor.aoti_compile_and_package(program, package_path=str(job.output), inductor_configs=configs)
     return job.method, time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def _library_path(folder: Path | None):
+    """The row kernel's folder first on LIBRARY_PATH while compiling: the link
+    finds its static library there (inductor passes `-l<name>` only)."""
+    before = os.environ.get("LIBRARY_PATH")
+    if folder is not None:
+        os.environ["LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(folder), before]))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LIBRARY_PATH", None)
+        else:
+            os.environ["LIBRARY_PATH"] = before
 
 
 @contextlib.contextmanager

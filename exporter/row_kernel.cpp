@@ -6,29 +6,30 @@
 // but the BLAS's small-row GEMM reads them at half the memory's rate or less
 // on some CPUs (bench/floor.py). Here each thread walks its own contiguous band
 // of weight rows once; a register tile of MR input rows by NR weight rows does
-// MR x NR vector FMAs per NR weight loads, and the weight rows 8 rows ahead
+// MR x NR vector FMAs per MR + NR loads, and the weight rows 8 rows ahead
 // are prefetched into L2, so the reads overlap the arithmetic.
 //
 // The instruction set is the compiled package's (the build passes inductor's
-// own -m flags): 16-float vectors and 32 registers with AVX-512, 8 and 16
-// with AVX2.
+// own -m flags). Vectors are 8 floats wide on both: with AVX-512 the tiles
+// use its 32 registers (ymm16-31 through AVX512VL), not its wider vectors,
+// which read the weights 5-10% slower for 1-4 rows on the AMD EPYC this was
+// measured on (Zen 4 splits them in two), and no faster for 8.
 
 #include <immintrin.h>
 #include <omp.h>
 
 #include <cstdint>
 
-#if defined(__AVX512F__)
-typedef __m512 vec;
-constexpr int LANES = 16, REGISTERS = 32;
-static inline vec load(const float* p) { return _mm512_loadu_ps(p); }
-static inline vec load_first(const float* p, int n) { return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p); }
-static inline vec fma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-static inline vec zero() { return _mm512_setzero_ps(); }
-static inline float total(vec a) { return _mm512_reduce_add_ps(a); }
-#elif defined(__AVX2__) && defined(__FMA__)
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "the row kernel needs AVX2 with FMA"
+#endif
+
 typedef __m256 vec;
+#ifdef __AVX512VL__
+constexpr int LANES = 8, REGISTERS = 32;
+#else
 constexpr int LANES = 8, REGISTERS = 16;
+#endif
 static inline vec load(const float* p) { return _mm256_loadu_ps(p); }
 static inline vec load_first(const float* p, int n) {
   static const int32_t mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
@@ -41,9 +42,6 @@ static inline float total(vec a) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-#else
-#error "the row kernel needs AVX2 with FMA, or AVX-512"
-#endif
 
 constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead the weight rows are fetched into L2
 constexpr int64_t BAND = 64;           // weight rows a thread takes at a time
