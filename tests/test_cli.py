@@ -82,6 +82,7 @@ def expect_error(result, *fragments: str) -> None:
         (["tiny-llama", "--forward-sizes", "1,8", "--max-step-tokens", "8"], ["--max-step-tokens 8 must be wider than the widest forward size 8"]),
         (["tiny-llama", "--max-step-tokens", "100", "--max-cells", "100"], ["--max-cells 100 must be above --max-step-tokens 100"]),
         (["tiny-llama", "--max-step-tokens", "100", "--max-cells", "50"], ["--max-cells 50 must be above"]),
+        (["tiny-llama", "--set", "row_kernel=sometimes"], ["--row-kernel must be one of auto, on, off, got 'sometimes'"]),
     ],
 )
 def test_export_errors(tmp_path, args, fragments):
