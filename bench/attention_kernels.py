@@ -1,9 +1,15 @@
-"""Attention over the cell pools two ways, at decode and prefill shapes
-(SmolLM2's heads: 9 query heads, 3 KV heads, head dim 64): sdpa over strided
-views of the pools (what exporter/forwards.py runs) against products with a
+"""Attention over the cell pools, at decode and prefill shapes (SmolLM2's
+heads: 9 query heads, 3 KV heads, head dim 64): sdpa over strided views of
+the pools (what exporter/forwards.py runs) against products with a
 materialized [H, T, C] score tensor and an explicit mask (what it ran
-before, and still runs for soft-capped attention). Prints ms per call and
-the largest difference between the two.
+before, and still runs for soft-capped attention), and, for up to 16 rows,
+kvexport's masked attention kernel (exporter/attention_kernel.cpp, what
+aoti's forward_<N> methods run on x86). Prints ms per call and the largest
+difference from sdpa.
+
+One session's rows see every cell before them (a causal mask over the last
+rows); "sessions": S rows, one per session, each seeing only its own
+cells/S cells, as a batched decode step does.
 
     python bench/attention_kernels.py
 """
@@ -17,6 +23,7 @@ from common import best_of, cpu_model, emit
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 SHAPES = [(1, 64), (1, 1024), (8, 1024), (8, 4096), (128, 640), (512, 512), (512, 1024), (2048, 2048)]
+SESSION_SHAPES = [(8, 8 * 96), (8, 8 * 256), (8, 8 * 1024)]  # (sessions, cells)
 
 
 def products(q, k_pool, v_pool, mask):
@@ -35,16 +42,39 @@ def sdpa(q, k_pool, v_pool, mask):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
 
 
+def masked_kernel(q, k_pool, v_pool, mask):
+    from kvexport.exporter.row_kernel import shared_kernel
+
+    heads, tokens, head_dim = q.shape[1:]
+    out = torch.empty(1, heads, tokens, head_dim)
+    shared_kernel().kvexport_masked_attention(
+        q.data_ptr(), q.stride(1), q.stride(2), k_pool.data_ptr(), k_pool.stride(1), k_pool.stride(0),
+        v_pool.data_ptr(), v_pool.stride(1), v_pool.stride(0), mask.data_ptr(), mask.stride(0), mask.stride(1),
+        out.data_ptr(), heads, k_pool.shape[1], tokens, k_pool.shape[0], head_dim, head_dim**-0.5)
+    return out.transpose(1, 2)
+
+
+def measure(tokens: int, cells: int, mask: torch.Tensor) -> dict:
+    from kvexport.exporter.row_kernel import supported
+
+    q = torch.randn(1, HEADS, tokens, HEAD_DIM)
+    k_pool, v_pool = torch.randn(cells, KV_HEADS, HEAD_DIM), torch.randn(cells, KV_HEADS, HEAD_DIM)
+    ways = [products, sdpa] + ([masked_kernel] if tokens <= 16 and supported() else [])
+    want = sdpa(q, k_pool, v_pool, mask)
+    diff = max(float((f(q, k_pool, v_pool, mask) - want).abs().max()) for f in ways)
+    row = {"tokens": tokens, "cells": cells, "max_abs_diff_from_sdpa": diff}
+    for f in ways:
+        row[f"{f.__name__}_ms"] = round(best_of(lambda: f(q, k_pool, v_pool, mask), 5) * 1e3, 3)
+    return row
+
+
 def main() -> None:
     rows = []
     for tokens, cells in SHAPES:
-        q = torch.randn(1, HEADS, tokens, HEAD_DIM)
-        k_pool, v_pool = torch.randn(cells, KV_HEADS, HEAD_DIM), torch.randn(cells, KV_HEADS, HEAD_DIM)
-        mask = torch.arange(cells)[None, :] <= (torch.arange(tokens) + cells - tokens)[:, None]
-        diff = float((products(q, k_pool, v_pool, mask) - sdpa(q, k_pool, v_pool, mask)).abs().max())
-        ms = {f.__name__: best_of(lambda: f(q, k_pool, v_pool, mask), 5) * 1e3 for f in (products, sdpa)}
-        rows.append({"tokens": tokens, "cells": cells, "products_ms": round(ms["products"], 3), "sdpa_ms": round(ms["sdpa"], 3),
-                     "products_over_sdpa": round(ms["products"] / ms["sdpa"], 2), "max_abs_diff": diff})
+        rows.append(measure(tokens, cells, torch.arange(cells)[None, :] <= (torch.arange(tokens) + cells - tokens)[:, None]))
+    for sessions, cells in SESSION_SHAPES:
+        owner = torch.arange(cells) // (cells // sessions)
+        rows.append({"sessions": sessions} | measure(sessions, cells, owner[None, :] == torch.arange(sessions)[:, None]))
     emit({"cpu": cpu_model(), "threads": torch.get_num_threads(), "rows": rows})
 
 

@@ -50,7 +50,7 @@ class CompileJob:
     output: Path
     device: str = "cpu"
     state: tuple = ()  # runtime-owned buffers (ingraph_kv's cache): zeros stand in while compiling
-    kernel_rows: tuple = ()  # fp32 linears over these static row counts call the row kernel
+    kernel_rows: tuple = ()  # fp32 linears and attention over these static row counts call kvexport's kernels
     kernel_archive: Path | None = None  # the folder of the row kernel's static library (exporter/row_kernel.py)
 
 
@@ -98,9 +98,11 @@ def compile_one(job: CompileJob) -> tuple[str, float]:
     if job.kernel_rows:
         from kvexport.exporter.row_kernel import inductor_configs
         from kvexport.passes.base import run_passes
+        from kvexport.passes.masked_attention import MaskedAttentionPass
         from kvexport.passes.row_kernel_linear import RowKernelLinearPass
 
-        run_passes(program.graph_module, [RowKernelLinearPass(job.kernel_rows)], job.method)
+        kernels = [RowKernelLinearPass(job.kernel_rows), MaskedAttentionPass(job.kernel_rows)]
+        run_passes(program.graph_module, kernels, job.method)
         configs |= inductor_configs()
     with compile_directory(job.method) as directory, temporary_cache_dir(str(directory)), _library_path(job.kernel_archive):
         torch._inductor.aoti_compile_and_package(program, package_path=str(job.output), inductor_configs=configs)

@@ -113,7 +113,7 @@ def _machine() -> dict:
     import torch
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    from kvexport.exporter.row_kernel import SOURCE
+    from kvexport.exporter.row_kernel import SOURCES
 
     model = "unknown"
     with contextlib.suppress(OSError):
@@ -121,7 +121,7 @@ def _machine() -> dict:
                       if line.startswith("model name")), model)
     return {"cpu": model, "isa": str(pick_vec_isa()), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "machine": platform.machine(),
-            "kernel": hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]}
+            "kernel": hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:16]}
 
 
 def _cache_path() -> Path:

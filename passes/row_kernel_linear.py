@@ -48,7 +48,10 @@ class RowKernelLinearPass(Fp32LinearRewrite):
         self.rows = frozenset(rows)
 
     def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
-        return [n for n in fp32_linears(graph_module, self.max_rows) if self.parts(n)[5] in self.rows]
+        """Weights the kernel reads row by row: contiguous (a view of a
+        parameter stays on the BLAS)."""
+        return [n for n in fp32_linears(graph_module, self.max_rows)
+                if self.parts(n)[5] in self.rows and self.parts(n)[1].meta["val"].is_contiguous()]
 
     def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
         x, weight, bias, lead, width, rows, out_features = self.parts(node)

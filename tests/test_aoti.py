@@ -51,8 +51,9 @@ def test_manifest_records_the_compile_target(aoti_package):
 
 
 def test_static_methods_carry_the_row_kernel(aoti_package):
-    """fp32 products over a static row count run on the row kernel linked
-    into the method's own library; the stored program stays plain aten."""
+    """fp32 products and attention over a static row count run on kvexport's
+    kernels linked into the method's own library; the stored program stays
+    plain aten."""
     import gzip
     import zipfile
 
@@ -65,8 +66,11 @@ def test_static_methods_carry_the_row_kernel(aoti_package):
     for name, entry in manifest["methods"].items():
         with zipfile.ZipFile(aoti_package / entry["compiled"]) as archive:
             library = b"".join(archive.read(n) for n in archive.namelist() if n.endswith(".so"))
-        assert (b"kvexport_rows_linear" in library) == (name.startswith("forward_") and name != "forward_others"), name
-        assert b"rows_linear" not in gzip.decompress((aoti_package / entry["program"]).read_bytes())
+        static = name.startswith("forward_") and name != "forward_others"
+        assert (b"kvexport_rows_linear" in library) == static, name
+        assert (b"kvexport_masked_attention" in library) == static, name
+        program = gzip.decompress((aoti_package / entry["program"]).read_bytes())
+        assert b"rows_linear" not in program and b"masked_attention" not in program
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from kvexport.passes.check_step_width import USER_INPUTS_META
 from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
 from kvexport.passes.packed_weights import FusedPackedLinearPass
 from kvexport.passes.quantized_weights import FusedDequantizeMatmulPass
+from kvexport.passes.masked_attention import MASKED_ATTENTION, MaskedAttentionPass
 from kvexport.passes.row_kernel_linear import ROWS_LINEAR, RowKernelLinearPass
 from kvexport.passes.weight_stationary_linear import WeightStationaryLinearPass
 
@@ -77,6 +78,50 @@ def test_row_kernel_linear_takes_its_row_counts_and_leaves_the_rest_to_the_blas(
     assert ops.count(ROWS_LINEAR) == (2 if rows in kernel_rows else 0)
     assert ops.count(torch.ops.aten.mm.default) == (0 if rows in kernel_rows else 2)
     torch.testing.assert_close(program.module()(tokens), block(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_row_kernel_linear_leaves_weights_it_cannot_read_row_by_row():
+    class Sliced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(64, 96))
+
+        def forward(self, x):
+            return nn.functional.linear(x, self.weight[:, :64])  # rows 96 apart
+
+    module, x = Sliced().eval(), torch.randn(2, 64)
+    program = torch.export.export(module, (x,), strict=False)
+    run_passes(program.graph_module, [RowKernelLinearPass((2,))], "m")
+    assert ROWS_LINEAR not in targets(program)
+    torch.testing.assert_close(program.module()(x), module(x))
+
+
+class PoolAttention(nn.Module):
+    """Attention of a few rows over a [C, Hkv, D] pool through a [T, C] mask,
+    as the offgraph forward attends."""
+
+    def forward(self, query, pool_k, pool_v, mask):
+        key, value = pool_k.permute(1, 0, 2).unsqueeze(0), pool_v.permute(1, 0, 2).unsqueeze(0)
+        return nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.2, enable_gqa=True)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_masked_attention_takes_the_kernels_row_counts(rows):
+    torch.manual_seed(0)
+    inputs = (torch.randn(1, 6, rows, 16), torch.randn(10, 2, 16), torch.randn(10, 2, 16), torch.rand(rows, 10) > 0.5)
+    program = torch.export.export(PoolAttention(), inputs, strict=False)
+    run_passes(program.graph_module, [MaskedAttentionPass((1, 2))], "m")
+    assert targets(program).count(MASKED_ATTENTION) == (1 if rows in (1, 2) else 0)
+    torch.testing.assert_close(program.module()(*inputs), PoolAttention()(*inputs))
+
+
+def test_masked_attention_leaves_dynamic_rows_to_sdpa():
+    inputs = (torch.randn(1, 6, 4, 16), torch.randn(10, 2, 16), torch.randn(10, 2, 16), torch.rand(4, 10) > 0.5)
+    rows = torch.export.Dim("T", min=2, max=8)
+    program = torch.export.export(PoolAttention(), inputs, strict=False,
+                                  dynamic_shapes=({2: rows}, None, None, {0: rows}))
+    run_passes(program.graph_module, [MaskedAttentionPass(tuple(range(1, 17)))], "m")
+    assert MASKED_ATTENTION not in targets(program)
 
 
 def test_weight_stationary_linear_leaves_the_row_kernels_counts_as_linears():

@@ -55,3 +55,44 @@ def test_auto_falls_back_to_the_blas_when_the_kernel_cannot_be_built(tmp_path, m
         assert not (tmp_path / "probes").exists()  # a failure is not remembered: the next export tries again
     finally:
         row_kernel.shared_kernel.cache_clear()
+
+
+def run_attention(query, key, value, mask, scale):
+    H, T, D = query.shape[1:]
+    Hkv, C = key.shape[1:3]
+    out = torch.full((1, H, T, D), float("nan"))
+    row_kernel.shared_kernel().kvexport_masked_attention(
+        query.data_ptr(), query.stride(1), query.stride(2), key.data_ptr(), key.stride(1), key.stride(2),
+        value.data_ptr(), value.stride(1), value.stride(2), mask.data_ptr(), mask.stride(0), mask.stride(1),
+        out.data_ptr(), H, Hkv, T, C, D, scale)
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads,rows,cells,head_dim", [
+    (9, 3, 8, 300, 64), (4, 4, 1, 7, 16), (6, 2, 3, 50, 20), (8, 1, 5, 33, 128), (2, 2, 2, 1, 256), (3, 1, 16, 200, 72)])
+def test_masked_attention_matches_sdpa_over_pool_views(heads, kv_heads, rows, cells, head_dim):
+    """GQA groups, head dims with a vector tail and over 64, one cell, rows
+    that see nothing (zeros, as sdpa gives); keys and values as strided views
+    of [C, Hkv, D] pools, the query as a transposed [1, T, H, D]."""
+    g = torch.Generator().manual_seed(heads * 100 + cells)
+    pool_k, pool_v = torch.randn(cells, kv_heads, head_dim, generator=g), torch.randn(cells, kv_heads, head_dim, generator=g)
+    key, value = pool_k.permute(1, 0, 2).unsqueeze(0), pool_v.permute(1, 0, 2).unsqueeze(0)
+    query = torch.randn(1, rows, heads, head_dim, generator=g).transpose(1, 2) * 3
+    mask = torch.rand(rows, cells, generator=g) > 0.6
+    mask[0] = False
+    mask[-1, 0] = True
+    want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(run_attention(query, key, value, mask, 0.3), want, rtol=1e-5, atol=1e-5)
+
+
+def test_masked_attention_softmax_holds_for_large_and_distant_scores():
+    """The exp runs on max-subtracted scores: large ones do not overflow, and
+    scores 100 apart give the far one no weight."""
+    key = torch.zeros(1, 1, 3, 8)
+    key[0, 0, 0, 0], key[0, 0, 1, 0], key[0, 0, 2, 0] = 1000.0, 900.0, 999.0
+    value = torch.arange(24, dtype=torch.float32).reshape(1, 1, 3, 8)
+    query = torch.zeros(1, 1, 1, 8)
+    query[..., 0] = 1.0
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=1.0)
+    torch.testing.assert_close(run_attention(query, key, value, mask, 1.0), want)
