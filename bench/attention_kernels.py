@@ -43,15 +43,10 @@ def sdpa(q, k_pool, v_pool, mask):
 
 
 def masked_kernel(q, k_pool, v_pool, mask):
-    from kvexport.exporter.row_kernel import shared_kernel
+    from kvexport.exporter.row_kernel import masked_attention
 
-    heads, tokens, head_dim = q.shape[1:]
-    out = torch.empty(1, heads, tokens, head_dim)
-    shared_kernel().kvexport_masked_attention(
-        q.data_ptr(), q.stride(1), q.stride(2), k_pool.data_ptr(), k_pool.stride(1), k_pool.stride(0),
-        v_pool.data_ptr(), v_pool.stride(1), v_pool.stride(0), mask.data_ptr(), mask.stride(0), mask.stride(1),
-        out.data_ptr(), heads, k_pool.shape[1], tokens, k_pool.shape[0], head_dim, head_dim**-0.5)
-    return out.transpose(1, 2)
+    k, v = k_pool.permute(1, 0, 2).unsqueeze(0), v_pool.permute(1, 0, 2).unsqueeze(0)
+    return masked_attention(q, k, v, mask, q.shape[-1] ** -0.5).transpose(1, 2)
 
 
 def measure(tokens: int, cells: int, mask: torch.Tensor) -> dict:

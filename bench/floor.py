@@ -66,13 +66,9 @@ def _weight_stationary(x: torch.Tensor, weights: list[torch.Tensor]) -> list[tor
 
 
 def _row_kernel(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    from kvexport.exporter.row_kernel import shared_kernel
+    from kvexport.exporter.row_kernel import rows_linear
 
-    kernel = shared_kernel().kvexport_rows_linear
-    outs = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
-    for w, out in zip(weights, outs):
-        kernel(x.data_ptr(), x.stride(0), w.data_ptr(), out.data_ptr(), x.shape[0], w.shape[0], w.shape[1])
-    return outs
+    return [rows_linear(x, w) for w in weights]
 
 
 def row_kernel_rates(out_features: int = 1536, in_features: int = 576) -> dict[int, float]:

@@ -51,7 +51,7 @@ class CompileJob:
     device: str = "cpu"
     state: tuple = ()  # runtime-owned buffers (ingraph_kv's cache): zeros stand in while compiling
     kernel_rows: tuple = ()  # fp32 linears and attention over these static row counts call kvexport's kernels
-    kernel_archive: Path | None = None  # the folder of the row kernel's static library (exporter/row_kernel.py)
+    kernel_archive: Path | None = None  # the folder of kvexport's kernels' static library (exporter/row_kernel.py)
 
 
 def compile_one(job: CompileJob) -> tuple[str, float]:
@@ -111,7 +111,7 @@ def compile_one(job: CompileJob) -> tuple[str, float]:
 
 @contextlib.contextmanager
 def _library_path(folder: Path | None):
-    """The row kernel's folder first on LIBRARY_PATH while compiling: the link
+    """The kernels' folder first on LIBRARY_PATH while compiling: the link
     finds its static library there (inductor passes `-l<name>` only)."""
     before = os.environ.get("LIBRARY_PATH")
     if folder is not None:

@@ -15,31 +15,14 @@
 // softmax(scale * q[h, t] . k[h / G, c] over visible c) . v[h / G, c];
 // a row that sees no cell gets zeros, as torch's CPU sdpa gives.
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <cmath>
-#include <cstdint>
 #include <vector>
 
-#if !defined(__AVX2__) || !defined(__FMA__)
-#error "the attention kernel needs AVX2 with FMA"
-#endif
+#include "kernel_vec.h"
 
 namespace {
-
-typedef __m256 vec;
-
-inline vec load_first(const float* p, int n) {
-  static const int32_t mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-  return _mm256_maskload_ps(p, _mm256_loadu_si256((const __m256i*)(mask + 8 - n)));
-}
-
-inline float total(vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 // e^x for x <= 0 (scores minus their max): 2^n * p(r) with r = x - n ln 2,
 // the polynomial of Cephes' expf (about 1 ulp); under -87 it is 0

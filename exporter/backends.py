@@ -110,7 +110,7 @@ def _aoti_compile(ctx: CompileContext) -> dict[str, str]:
     rows = kernel_rows(ctx.spec.device, ctx.spec.row_kernel)
     archive = row_kernel.archive_dir() if rows else None
     if rows:
-        ctx.progress(f"row kernel for fp32 products over {','.join(map(str, rows))} rows: {archive}")
+        ctx.progress(f"kvexport's kernels for fp32 products and attention over {','.join(map(str, rows))} rows: {archive}")
     jobs = [
         CompileJob(name, ctx.root / entry["program"], ctx.weights, ctx.bindings[name], ctx.aliases, entry["inputs"],
                    ctx.root / program_path(name, compiled=True), ctx.spec.device, entry.get("state", []),

@@ -32,6 +32,7 @@ LAYERS = 24  # 192 MiB in all: more than the caches hold
 REPEATS = 7
 VERSION = 2
 MODES = ("auto", "on", "off")
+_UNBUILT: set[Path] = set()  # probes whose kernels failed to build in this process: not retried until the next
 
 
 def kernel_rows(device: str, mode: str = "auto") -> tuple[int, ...]:
@@ -49,11 +50,14 @@ def kernel_rows(device: str, mode: str = "auto") -> tuple[int, ...]:
             return tuple(rows)
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    if path in _UNBUILT:
+        return ()
     log.info("measuring this CPU's fp32 product kernels (once per machine; about 10 s)")
     try:
         rates = measure()
     except ExportError as e:  # auto never fails an export: the BLAS serves, and the next export tries again
         log.warning("the row kernel is not available, fp32 products stay on the BLAS: %s", e)
+        _UNBUILT.add(path)
         return ()
     rows = choose_rows(rates)
     _write(path, {"version": VERSION, "kernel_rows": list(rows), "gbps": rates, "machine": _machine()})
@@ -72,10 +76,9 @@ def measure() -> dict[str, dict[int, float]]:
     """Weight-read GB/s (median of REPEATS) of each kernel at 1..MAX_ROWS rows."""
     import torch
 
-    from kvexport.exporter.row_kernel import shared_kernel
+    from kvexport.exporter.row_kernel import rows_linear
     from kvexport.passes.weight_stationary_linear import WeightStationaryLinearPass
 
-    kernel = shared_kernel().kvexport_rows_linear
     weights = [torch.randn(SHAPE) for _ in range(LAYERS)]
     stationary = WeightStationaryLinearPass().max_rows
 
@@ -86,10 +89,7 @@ def measure() -> dict[str, dict[int, float]]:
         return [torch.mm(w, xt).t() for w in weights]
 
     def rows(x):
-        outs = [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
-        for w, out in zip(weights, outs):
-            kernel(x.data_ptr(), x.shape[1], w.data_ptr(), out.data_ptr(), x.shape[0], w.shape[0], w.shape[1])
-        return outs
+        return [rows_linear(x, w) for w in weights]
 
     rates: dict[str, dict[int, float]] = {"blas": {}, "kernel": {}}
     gigabytes = LAYERS * weights[0].numel() * 4 / 1e9
@@ -113,7 +113,7 @@ def _machine() -> dict:
     import torch
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    from kvexport.exporter.row_kernel import SOURCES
+    from kvexport.exporter.row_kernel import FILES
 
     model = "unknown"
     with contextlib.suppress(OSError):
@@ -121,7 +121,7 @@ def _machine() -> dict:
                       if line.startswith("model name")), model)
     return {"cpu": model, "isa": str(pick_vec_isa()), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "machine": platform.machine(),
-            "kernel": hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES)).hexdigest()[:16]}
+            "kernel": hashlib.sha256(b"".join(f.read_bytes() for f in FILES)).hexdigest()[:16]}
 
 
 def _cache_path() -> Path:

@@ -15,33 +15,18 @@
 // which read the weights 5-10% slower for 1-4 rows on the AMD EPYC this was
 // measured on (Zen 4 splits them in two), and no faster for 8.
 
-#include <immintrin.h>
 #include <omp.h>
 
-#include <cstdint>
+#include "kernel_vec.h"
 
-#if !defined(__AVX2__) || !defined(__FMA__)
-#error "the row kernel needs AVX2 with FMA"
-#endif
-
-typedef __m256 vec;
 #ifdef __AVX512VL__
 constexpr int LANES = 8, REGISTERS = 32;
 #else
 constexpr int LANES = 8, REGISTERS = 16;
 #endif
 static inline vec load(const float* p) { return _mm256_loadu_ps(p); }
-static inline vec load_first(const float* p, int n) {
-  static const int32_t mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-  return _mm256_maskload_ps(p, _mm256_loadu_si256((const __m256i*)(mask + 8 - n)));
-}
 static inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 static inline vec zero() { return _mm256_setzero_ps(); }
-static inline float total(vec a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 
 constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead the weight rows are fetched into L2
 constexpr int64_t BAND = 64;           // weight rows a thread takes at a time

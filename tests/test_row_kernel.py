@@ -13,10 +13,7 @@ pytestmark = pytest.mark.skipif(not row_kernel.supported(), reason="the row kern
 
 
 def run_kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    out = torch.full((x.shape[0], weight.shape[0]), float("nan"))
-    row_kernel.shared_kernel().kvexport_rows_linear(x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
-                                                    x.shape[0], weight.shape[0], weight.shape[1])
-    return out
+    return row_kernel.rows_linear(x, weight, out=torch.full((x.shape[0], weight.shape[0]), float("nan")))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13, 16])
@@ -48,24 +45,21 @@ def test_auto_falls_back_to_the_blas_when_the_kernel_cannot_be_built(tmp_path, m
     from kvexport.exporter import kernel_probe
 
     monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(row_kernel, "_commands", lambda kind, out: [["false"]])
+    builds = []
+    monkeypatch.setattr(row_kernel, "_commands", lambda kind, out: builds.append(kind) or [["false"]])
+    monkeypatch.setattr(kernel_probe, "_UNBUILT", set())
     row_kernel.shared_kernel.cache_clear()
     try:
         assert kernel_probe.kernel_rows("cpu", "auto") == ()
-        assert not (tmp_path / "probes").exists()  # a failure is not remembered: the next export tries again
+        tried = len(builds)
+        assert kernel_probe.kernel_rows("cpu", "auto") == () and len(builds) == tried  # not again in this process
+        assert not (tmp_path / "probes").exists()  # nor on disk: the next export tries again
     finally:
         row_kernel.shared_kernel.cache_clear()
 
 
 def run_attention(query, key, value, mask, scale):
-    H, T, D = query.shape[1:]
-    Hkv, C = key.shape[1:3]
-    out = torch.full((1, H, T, D), float("nan"))
-    row_kernel.shared_kernel().kvexport_masked_attention(
-        query.data_ptr(), query.stride(1), query.stride(2), key.data_ptr(), key.stride(1), key.stride(2),
-        value.data_ptr(), value.stride(1), value.stride(2), mask.data_ptr(), mask.stride(0), mask.stride(1),
-        out.data_ptr(), H, Hkv, T, C, D, scale)
-    return out
+    return row_kernel.masked_attention(query, key, value, mask, scale, out=torch.full(query.shape, float("nan")))
 
 
 @pytest.mark.parametrize("heads,kv_heads,rows,cells,head_dim", [
@@ -96,3 +90,23 @@ def test_masked_attention_softmax_holds_for_large_and_distant_scores():
     mask = torch.ones(1, 3, dtype=torch.bool)
     want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=1.0)
     torch.testing.assert_close(run_attention(query, key, value, mask, 1.0), want)
+
+
+def test_the_python_entry_points_refuse_operands_the_kernels_cannot_read():
+    """ctypes hands raw pointers to the kernels: a shape or stride they do not
+    take is refused before any is read."""
+    x, weight = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="rows_linear takes"):
+        row_kernel.rows_linear(x, torch.randn(4, 9))
+    with pytest.raises(ValueError, match="rows_linear takes"):
+        row_kernel.rows_linear(x, torch.randn(8, 4).t())  # weight rows not contiguous
+    with pytest.raises(ValueError, match="rows_linear takes"):
+        row_kernel.rows_linear(x.double(), weight.double())
+    query, pool = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match="masked_attention takes"):
+        row_kernel.masked_attention(query, pool, pool, mask[:, :4], 1.0)
+    with pytest.raises(ValueError, match="masked_attention takes"):
+        row_kernel.masked_attention(query, pool, pool, mask.float(), 1.0)
+    with pytest.raises(ValueError, match="masked_attention takes"):
+        row_kernel.masked_attention(torch.randn(1, 3, 2, 8), pool, pool, mask, 1.0)  # 3 heads over 2 KV heads
