@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from kvexport.exporter.architectures import ARCHITECTURES
-from kvexport.exporter.models import load_model
+from kvexport.exporter.sources.architectures import ARCHITECTURES
+from kvexport.exporter.sources.models import load_model
 from kvexport.exporter.pipeline import export_package
 from kvexport.exporter.spec import build_spec
 from kvexport.runtime.verify import verify

@@ -3,7 +3,7 @@ heads: 9 query heads, 3 KV heads, head dim 64): sdpa over strided views of
 the pools (what exporter/forwards.py runs) against products with a
 materialized [H, T, C] score tensor and an explicit mask (what it ran
 before, and still runs for soft-capped attention), and, for up to 16 rows,
-kvexport's masked attention kernel (exporter/attention_kernel.cpp, what
+kvexport's masked attention kernel (partitioners/aoti/kernels/masked_attention.cpp, what
 aoti's forward_<N> methods run on x86). Prints ms per call and the largest
 difference from sdpa.
 
@@ -43,14 +43,14 @@ def sdpa(q, k_pool, v_pool, mask):
 
 
 def masked_kernel(q, k_pool, v_pool, mask):
-    from kvexport.exporter.row_kernel import masked_attention
+    from kvexport.partitioners.aoti.kernels.build import masked_attention
 
     k, v = k_pool.permute(1, 0, 2).unsqueeze(0), v_pool.permute(1, 0, 2).unsqueeze(0)
     return masked_attention(q, k, v, mask, q.shape[-1] ** -0.5).transpose(1, 2)
 
 
 def measure(tokens: int, cells: int, mask: torch.Tensor) -> dict:
-    from kvexport.exporter.row_kernel import supported
+    from kvexport.partitioners.aoti.kernels.build import supported
 
     q = torch.randn(1, HEADS, tokens, HEAD_DIM)
     k_pool, v_pool = torch.randn(cells, KV_HEADS, HEAD_DIM), torch.randn(cells, KV_HEADS, HEAD_DIM)

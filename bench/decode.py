@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from common import emit, weight_read_gbps
-from kvexport.exporter.models import load_model
+from kvexport.exporter.sources.models import load_model
 from kvexport.runtime import generate, load
 
 

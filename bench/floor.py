@@ -8,7 +8,7 @@ product comes to them, in one run:
 - the rate at which products with 1 to 8 rows read 48 layer-sized fp32
   weights (GB/s): the BLAS as `x @ W.T` (`F.linear`) and as `W @ x.T` (the
   weight-stationary layout the CPU backends use), against kvexport's row
-  kernel (exporter/row_kernel.cpp, what aoti packages run on x86);
+  kernel (partitioners/aoti/kernels/rows_linear.cpp, what aoti packages run on x86);
 - the row kernel's own rate at 1 to 16 rows on a weight in cache (GFLOP/s);
 - with `--package` (an fp32 one), the floors of its decode step: weight bytes
   at the best read rate (batch 1) and 2 x parameters x 8 FLOP at the BLAS's
@@ -66,7 +66,7 @@ def _weight_stationary(x: torch.Tensor, weights: list[torch.Tensor]) -> list[tor
 
 
 def _row_kernel(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    from kvexport.exporter.row_kernel import rows_linear
+    from kvexport.partitioners.aoti.kernels.build import rows_linear
 
     return [rows_linear(x, w) for w in weights]
 

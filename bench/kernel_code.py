@@ -17,7 +17,7 @@ import re
 
 import torch
 
-from kvexport.exporter.quantize import PackedLinear, packed, quantize_weight
+from kvexport.exporter.quantization.quantize import PackedLinear, packed, quantize_weight
 from kvexport.passes.base import run_passes
 from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
 from kvexport.passes.packed_weights import FusedPackedLinearPass

@@ -17,7 +17,7 @@ import time
 import torch
 
 from common import emit
-from kvexport.exporter.models import load_model
+from kvexport.exporter.sources.models import load_model
 
 
 def linear_rowmajor(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ import tarfile
 from pathlib import Path
 
 from common import cpu_model, emit
-from kvexport.exporter.models import cache_dir, load_model
+from kvexport.exporter.sources.models import cache_dir, load_model
 
 VERSION = "0.3.36"
 TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
@@ -72,7 +72,7 @@ def models(tree: Path, root: Path, model: str) -> dict[str, Path]:
     if not out["F32"].exists():
         if model == "smollm2-135m":
             # the GGUF kvexport's own fp32 model is dequantized from: the same values
-            from kvexport.exporter.models import _smollm2_gguf
+            from kvexport.exporter.sources.models import _smollm2_gguf
 
             run([str(tree / "build" / "bin" / "llama-quantize"), "--allow-requantize", str(_smollm2_gguf()),
                  str(out["F32"]), "F32"], capture=False)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from common import best_of, emit
-from kvexport.exporter.models import load_model
+from kvexport.exporter.sources.models import load_model
 from kvexport.runtime import StepEntry, load
 
 

@@ -27,7 +27,7 @@ import torch
 
 from common import cpu_model, emit, weight_read_gbps
 from decode import decode_seconds
-from kvexport.exporter.models import load_model
+from kvexport.exporter.sources.models import load_model
 from kvexport.runtime.verify import method_logits
 from kvexport.runtime import generate, load
 

@@ -21,8 +21,8 @@ import argparse
 import torch
 
 from common import emit
-from kvexport.exporter.models import load_model
-from kvexport.exporter.quantize import quantize_model
+from kvexport.exporter.sources.models import load_model
+from kvexport.exporter.quantization.quantize import quantize_model
 from quant import TEXT
 
 RECIPES = {

@@ -13,8 +13,8 @@ from click.core import ParameterSource
 
 from kvexport.contract.errors import KvexportError
 from kvexport.contract.manifest import CONTRACTS, DEVICES, DTYPES
-from kvexport.exporter.backends import backend_ids, get_backend
-from kvexport.exporter.quantize import ALGORITHMS, QEMBEDDING, QLINEAR
+from kvexport.partitioners.registry import backend_ids, get_backend
+from kvexport.exporter.quantization.quantize import ALGORITHMS, QEMBEDDING, QLINEAR
 
 log = logging.getLogger("kvexport")
 
@@ -106,7 +106,7 @@ def export(
 ) -> None:
     """Export MODEL (a Hugging Face directory, a .gguf file, or a built-in
     name) to the package directory given by -o."""
-    from kvexport.exporter.models import BUILTINS
+    from kvexport.exporter.sources.models import BUILTINS
     from kvexport.exporter.pipeline import export_package
     from kvexport.exporter.spec import build_spec
 
@@ -115,7 +115,7 @@ def export(
             click.echo(f"{name:16} {what}")
         return
     if list_architectures:
-        from kvexport.exporter.architectures import ARCHITECTURES
+        from kvexport.exporter.sources.architectures import ARCHITECTURES
 
         for arch in ARCHITECTURES.values():
             click.echo(f"{arch.name:24} {arch.family:14} built-in tiny-{arch.key}")
@@ -143,7 +143,7 @@ def export(
             "coverage": result.coverage, "verification": result.verification, "memory": result.memory,
         })
     if result.coverage:
-        from kvexport.exporter.quantize import coverage_summary
+        from kvexport.exporter.quantization.quantize import coverage_summary
 
         for line in coverage_summary(result.coverage):
             click.echo(line)
@@ -245,7 +245,7 @@ def _reference_of(runtime, model: str):
     fresh ones), in the package's dtype."""
     from kvexport.contract.sections import ReferenceSection
     from kvexport.exporter import golden
-    from kvexport.exporter.models import load_model
+    from kvexport.exporter.sources.models import load_model
 
     manifest = runtime.package.manifest
     if manifest.get("quantization"):

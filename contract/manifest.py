@@ -184,7 +184,6 @@ def check_types(metadata: dict, table: dict) -> list[str]:
 
 
 
-COMPILED_BACKEND = "aoti"  # the one backend whose methods are native code; the runtime loads it only when trusted
 BACKEND_ID = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
@@ -201,26 +200,37 @@ def check_contract(manifest: Any, name: str) -> list[str]:
     return []
 
 
+def compiled_target(manifest: dict) -> dict | None:
+    """The target a package's native code was compiled for, or None for a
+    package of stored programs alone. A backend that compiles declares it in
+    its manifest entry (`backend.target`); the runtime loads such a package
+    only when trusted, whatever the backend is called."""
+    backend = manifest.get("backend")
+    return backend.get("target") if isinstance(backend, dict) and "target" in backend else None
+
+
 def check_backend(manifest: dict) -> list[str]:
     """The optional `backend` entry: which lowering made the programs and,
-    for compiled ones, the target they need. Any registered exporter
-    backend may have made a package; only aoti's hold native code."""
+    for compiled ones, the target they need. A package holds compiled code
+    exactly when its backend entry declares a target, and then every method
+    has its compiled file."""
     backend = manifest.get("backend", {"id": "portable"})
     if not isinstance(backend, dict) or not (isinstance(backend.get("id"), str) and BACKEND_ID.fullmatch(backend["id"])):
         return [f"backend: expected {{\"id\": a backend name like portable or aoti}}, found {backend!r:.200}"]
-    if backend["id"] != COMPILED_BACKEND:
+    if compiled_target(manifest) is None:
         return [
-            f"methods.{name}.compiled: only an aoti package holds compiled code (backend is {backend['id']!r})"
+            f"methods.{name}.compiled: only a package whose backend declares a compile target holds compiled code "
+            f"(backend {backend['id']!r} declares none)"
             for name, entry in manifest["methods"].items()
             if isinstance(entry, dict) and "compiled" in entry
         ]
     problems = []
-    target = backend.get("target")
+    target = backend["target"]
     if not isinstance(target, dict) or target.get("device") not in DEVICES or not isinstance(target.get("torch"), str):
         problems.append("backend.target: expected the compile target (device, torch, ...)")
     for name, entry in manifest["methods"].items():
         if isinstance(entry, dict) and not isinstance(entry.get("compiled"), str):
-            problems.append(f"methods.{name}.compiled: an aoti package needs every method's compiled file")
+            problems.append(f"methods.{name}.compiled: a package with a compile target needs every method's compiled file")
     return problems
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvexport.exporter.architectures import resolve
+from kvexport.exporter.sources.architectures import resolve
 from kvexport.contract.errors import ExportError, ModelError
 from kvexport.contract.manifest import CacheGeometry
 from kvexport.contract.offgraph_kv import ForwardInputs

@@ -20,7 +20,7 @@ and dumps every method's graph after the steps that change graphs
     gather_weights          one copy of every tensor, tied ones once
     write                   weights (streamed, one tensor at a time), programs,
                             tokenizer, into a partial dir
-    compile                 the backend's compile hook (aoti: AOTInductor)
+    compile                 the backend's compile hook (AOTInductor's, say)
     commit                  the manifest, checked; the package verified against its
                             reference (the CLI's check), then one rename into place
 """
@@ -50,13 +50,13 @@ from kvexport.contract.sections import (
     BackendSection, ContractRef, QuantizationSection, ReferenceSection, TokenizerSection, WeightsSection,
 )
 from kvexport.exporter import golden
-from kvexport.exporter.backends import Backend, CompileContext, get_backend
+from kvexport.partitioners.registry import Backend, BackendOptions, CompileContext, get_backend
 from kvexport.exporter.forwards import CACHE_BUFFER
-from kvexport.exporter.mapped import source_ranges
+from kvexport.exporter.sources.mapped import source_ranges
 from kvexport.exporter.memory import MemoryPlan, PeakSampler, check_budget, parse_size, plan_memory
-from kvexport.exporter.models import LoadedModel, load_model, source_weights
+from kvexport.exporter.sources.models import LoadedModel, load_model, source_weights
 from kvexport.exporter.plan import MethodPlan, build_forward, contract_metadata, plan_methods
-from kvexport.exporter.quantize import plain_weights, quantize_model
+from kvexport.exporter.quantization.quantize import plain_weights, quantize_model
 from kvexport.exporter.spec import ExportSpec
 from kvexport.partitioners.base import Partitioner
 from kvexport.passes.base import Pass, run_passes
@@ -76,6 +76,7 @@ class ExportState:
     progress: Progress
     transform_passes: list[Pass]
     backend: Backend
+    options: BackendOptions  # what the backend decided for this export, once
     partitioners: list[Partitioner]
     stack: contextlib.ExitStack
     loaded: LoadedModel | None = None
@@ -120,9 +121,7 @@ def memory_plan(state: ExportState) -> None:
     if spec.qlinear or spec.qembedding:
         bits = 8 if (spec.qlinear or "8w") == "8w" else 4
         quantized = int(source.matrix_values * bits / 8 * 1.1)  # codes, and scales at most 1 in 10
-    workers = 0
-    if spec.backend == "aoti":
-        workers = spec.compile_workers or min(os.cpu_count() or 1, len(spec.forward_sizes) + 1)
+    workers = state.options.compile_workers
     plan = state.memory = plan_memory(private_weights=source.private_bytes, quantized_bytes=quantized, compile_workers=workers)
     state.progress(f"memory plan: about {plan.total / 1e9:.2f} GB of private memory ({plan.describe()}); "
                    f"{source.export_bytes / 1e9:.2f} GB of weights")
@@ -276,7 +275,8 @@ def compile_methods(state: ExportState) -> None:
         return
     writer = state.writer
     context = CompileContext(
-        writer.root, writer.weights_path, state.methods, state.bindings, state.aliases, state.spec, state.progress
+        writer.root, writer.weights_path, state.methods, state.bindings, state.aliases, state.options, state.spec,
+        state.progress,
     )
     for name, rel in state.backend.compile(context).items():
         state.methods[name]["compiled"] = rel
@@ -293,7 +293,7 @@ def commit(state: ExportState) -> None:
         "metadata": state.metadata,
         "methods": state.methods,
         "weights": WeightsSection(writer.weights_path.name, len(state.tensors), state.aliases).to_json(),
-        "backend": BackendSection(spec.backend, state.backend.manifest_entry(spec)).to_json(),
+        "backend": BackendSection(spec.backend, state.backend.manifest_entry(state.options)).to_json(),
         "tokenizer": state.tokenizer.to_json() if state.tokenizer else None,
         "provenance": provenance(spec, state.loaded),
     }
@@ -350,8 +350,9 @@ def export_package(
     backend = get_backend(spec.backend)
     dump = GraphDump(dump_graphs)
     with contextlib.ExitStack() as stack:
-        chosen = list(partitioners) if partitioners is not None else backend.partitioners(spec)
-        state = ExportState(spec, progress, list(transform_passes), backend, chosen, stack)
+        options = backend.configure(spec)
+        chosen = list(partitioners) if partitioners is not None else backend.partitioners(options)
+        state = ExportState(spec, progress, list(transform_passes), backend, options, chosen, stack)
         state.check_package = check_package
         sampler = stack.enter_context(PeakSampler())
         for run in STEPS:

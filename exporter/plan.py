@@ -21,7 +21,7 @@ from kvexport.exporter.forwards import (
     SampleModule,
     SingleSequenceForward,
 )
-from kvexport.exporter.models import LoadedModel
+from kvexport.exporter.sources.models import LoadedModel
 from kvexport.exporter.spec import ExportSpec
 
 

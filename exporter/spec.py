@@ -13,12 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from kvexport.exporter.backends import get_backend
+from kvexport.partitioners.registry import backend_ids, get_backend
 from kvexport.exporter.memory import parse_size
-from kvexport.exporter.quantize import ALGORITHMS, QEMBEDDING, QLINEAR
+from kvexport.exporter.quantization.quantize import ALGORITHMS, QEMBEDDING, QLINEAR
 from kvexport.contract.errors import SpecError
 from kvexport.contract.manifest import CONTRACTS, DEVICES, DTYPES, INGRAPH_KV, OFFGRAPH_KV
-from kvexport.exporter.kernel_probe import MODES as ROW_KERNEL_MODES
 
 DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -115,9 +114,10 @@ class ExportSpec:
         if self.device not in DEVICES:
             raise SpecError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.device not in backend.devices:
+            able = [b for b in backend_ids() if self.device in get_backend(b).devices]
             raise SpecError(
                 f"--device {self.device} is not one --backend {self.backend} compiles for ({', '.join(backend.devices)}); "
-                f"use --backend aoti for cuda"
+                f"backends for {self.device}: {', '.join(able) or 'none'}"
             )
         if not isinstance(self.verify, bool):
             raise SpecError(f"verify must be true or false, got {self.verify!r}")
@@ -127,8 +127,7 @@ class ExportSpec:
             parse_size(self.max_memory)
         if not _is_int(self.compile_workers) or self.compile_workers < 0:
             raise SpecError(f"--compile-workers must be >= 0 (0: one per core), got {self.compile_workers!r}")
-        if self.row_kernel not in ROW_KERNEL_MODES:
-            raise SpecError(f"--row-kernel must be one of {', '.join(ROW_KERNEL_MODES)}, got {self.row_kernel!r}")
+        backend.check_spec(self)
         return self
 
 

@@ -12,7 +12,7 @@ both layouts for a model's weight shapes on the machine at hand.
 Only static row counts up to `max_rows` are rewritten: over many rows (a
 prefill) both layouts are compute-bound and alike, and a dynamic count could
 not choose the padding. Row counts in `skip_rows` stay linears: the AOTInductor
-backend gives those to its row kernel (passes/row_kernel_linear.py).
+backend gives those to its row kernel (partitioners/aoti/passes/rows_linear.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import export_tiny
-from kvexport.exporter.models import load_model
+from kvexport.exporter.sources.models import load_model
 from kvexport.runtime import OffgraphKVManager, load
 
 

@@ -57,7 +57,7 @@ def test_static_methods_carry_the_row_kernel(aoti_package):
     import gzip
     import zipfile
 
-    from kvexport.exporter import row_kernel
+    from kvexport.partitioners.aoti.kernels import build as row_kernel
 
     if not row_kernel.supported():
         pytest.skip("the row kernel needs x86 with AVX2 or AVX-512")

@@ -10,8 +10,8 @@ from click.testing import CliRunner
 
 from helpers import export_tiny, hf_greedy, prompt_of
 from kvexport.cli.main import main
-from kvexport.exporter.architectures import ARCHITECTURES
-from kvexport.exporter.models import load_model
+from kvexport.exporter.sources.architectures import ARCHITECTURES
+from kvexport.exporter.sources.models import load_model
 from kvexport.runtime.verify import verify
 from kvexport.runtime import generate, load
 from kvexport.contract.errors import CapacityError, ModelError

@@ -14,11 +14,11 @@ from safetensors.torch import load_file, save_file
 
 import kvexport.contract.package as package_module
 import kvexport.contract.safetensors_io as sio
-import kvexport.exporter.models as models
+import kvexport.exporter.sources.models as models
 from helpers import export_tiny
 from kvexport.cli.main import main
-from kvexport.exporter.architectures import ARCHITECTURES
-from kvexport.exporter.mapped import source_ranges
+from kvexport.exporter.sources.architectures import ARCHITECTURES
+from kvexport.exporter.sources.mapped import source_ranges
 from kvexport.exporter.pipeline import write_weights
 
 needs_proc = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")

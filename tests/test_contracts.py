@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from helpers import export_tiny, hf_greedy, prompt_of
 from kvexport.cli.main import main
-from kvexport.exporter.models import load_model
+from kvexport.exporter.sources.models import load_model
 from kvexport.runtime import IOManager, PackageError, generate, load, register_io_manager
 from kvexport.contract.errors import CapacityError, SpecError
 from kvexport.contract.validate import validate_package

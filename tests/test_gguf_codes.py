@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvexport.contract.errors import ModelError
-from kvexport.exporter.gguf_codes import SUPPORTED, GroupCodes, group_codes, is_float_type, read_gguf_codes
+from kvexport.exporter.quantization.gguf_codes import SUPPORTED, GroupCodes, group_codes, is_float_type, read_gguf_codes
 
 gguf = pytest.importorskip("gguf")
 GGMLQuantizationType = gguf.GGMLQuantizationType

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from helpers import export_tiny
 from kvexport.cli.main import main
 from kvexport.exporter import pipeline
-from kvexport.exporter.models import load_model
+from kvexport.exporter.sources.models import load_model
 from kvexport.exporter.spec import build_spec, parse_override
 from kvexport.runtime import load
 from kvexport.contract import package as pk

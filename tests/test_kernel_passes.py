@@ -7,14 +7,14 @@ import pytest
 import torch
 from torch import nn
 
-from kvexport.exporter.quantize import plain_weights, quantize_model
+from kvexport.exporter.quantization.quantize import plain_weights, quantize_model
 from kvexport.passes.base import run_passes
 from kvexport.passes.check_step_width import USER_INPUTS_META
 from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
 from kvexport.passes.packed_weights import FusedPackedLinearPass
 from kvexport.passes.quantized_weights import FusedDequantizeMatmulPass
-from kvexport.passes.masked_attention import MASKED_ATTENTION, MaskedAttentionPass
-from kvexport.passes.row_kernel_linear import ROWS_LINEAR, RowKernelLinearPass
+from kvexport.partitioners.aoti.passes.masked_attention import MASKED_ATTENTION, MaskedAttentionPass
+from kvexport.partitioners.aoti.passes.rows_linear import ROWS_LINEAR, RowsLinearPass
 from kvexport.passes.weight_stationary_linear import WeightStationaryLinearPass
 
 
@@ -71,7 +71,7 @@ def test_row_kernel_linear_takes_its_row_counts_and_leaves_the_rest_to_the_blas(
     block, tokens = Block().eval(), tokens_of(rows)
     program = exported(block, tokens)
     kernel_rows = (1, 2)
-    passes = [RowKernelLinearPass(kernel_rows), WeightStationaryLinearPass(skip_rows=kernel_rows)]
+    passes = [RowsLinearPass(kernel_rows), WeightStationaryLinearPass(skip_rows=kernel_rows)]
     run_passes(program.graph_module, passes, "m")
     ops = targets(program)
     assert torch.ops.aten.linear.default not in ops
@@ -91,7 +91,7 @@ def test_row_kernel_linear_leaves_weights_it_cannot_read_row_by_row():
 
     module, x = Sliced().eval(), torch.randn(2, 64)
     program = torch.export.export(module, (x,), strict=False)
-    run_passes(program.graph_module, [RowKernelLinearPass((2,))], "m")
+    run_passes(program.graph_module, [RowsLinearPass((2,))], "m")
     assert ROWS_LINEAR not in targets(program)
     torch.testing.assert_close(program.module()(x), module(x))
 
@@ -131,7 +131,7 @@ def test_weight_stationary_linear_leaves_the_row_kernels_counts_as_linears():
 
 
 def test_kernel_rows_follow_the_measured_rates():
-    from kvexport.exporter.kernel_probe import choose_rows
+    from kvexport.partitioners.aoti.kernels.probe import choose_rows
 
     def rates(kernel):
         return {"blas": {1: 20.0, 2: 20.0, 4: 20.0, 8: 20.0}, "kernel": dict(zip((1, 2, 4, 8), kernel))}
@@ -142,7 +142,8 @@ def test_kernel_rows_follow_the_measured_rates():
 
 
 def test_kernel_probe_measures_once_per_machine(tmp_path, monkeypatch):
-    from kvexport.exporter import kernel_probe, row_kernel
+    from kvexport.partitioners.aoti.kernels import build as row_kernel
+    from kvexport.partitioners.aoti.kernels import probe as kernel_probe
 
     monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(row_kernel, "supported", lambda: True)
@@ -212,8 +213,8 @@ def test_fused_products_leave_float_weights_and_activation_products_alone():
 
 
 def test_partitioners_choose_kernels_by_device():
-    from kvexport.partitioners.aoti import AotiPartitioner
-    from kvexport.partitioners.portable import PortablePartitioner
+    from kvexport.partitioners.aoti.partitioner import AotiPartitioner
+    from kvexport.partitioners.portable.partitioner import PortablePartitioner
 
     def names(partitioner):
         return [p.name for p in partitioner.edge_transform_passes()]
@@ -231,7 +232,7 @@ def test_partitioners_choose_kernels_by_device():
 
 @pytest.mark.parametrize("group", [0, 16])
 def test_quantized_lookup_unpacks_only_the_gathered_rows(group):
-    from kvexport.exporter.quantize import PackedEmbedding, packed, quantize_weight
+    from kvexport.exporter.quantization.quantize import PackedEmbedding, packed, quantize_weight
 
     torch.manual_seed(0)
     block, tokens = Block().eval(), tokens_of(6)

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from helpers import export_tiny, hf_greedy
 from kvexport.cli.main import main
-from kvexport.exporter.models import load_model
+from kvexport.exporter.sources.models import load_model
 from kvexport.runtime import generate, load
 from kvexport.contract.errors import ModelError
 

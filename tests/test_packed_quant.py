@@ -13,9 +13,9 @@ from torch import nn
 
 from helpers import export_tiny, hf_greedy, prompt_of
 from kvexport.contract.errors import SpecError
-from kvexport.exporter.models import load_model
-from kvexport.exporter.gguf_codes import GroupCodes
-from kvexport.exporter.quantize import PackedLinear, packed, quantize_model, quantize_weight
+from kvexport.exporter.sources.models import load_model
+from kvexport.exporter.quantization.gguf_codes import GroupCodes
+from kvexport.exporter.quantization.quantize import PackedLinear, packed, quantize_model, quantize_weight
 from kvexport.passes.base import run_passes
 from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
 from kvexport.passes.packed_weights import FusedPackedLinearPass, dequantize_rows, pack, unpack

@@ -11,11 +11,11 @@ import torch.fx
 from safetensors.torch import load_file
 
 from helpers import TINY_LAYOUT, export_tiny, hf_greedy, prompt_of
-from kvexport.exporter.models import load_model
+from kvexport.exporter.sources.models import load_model
 from kvexport.exporter.pipeline import export_package, reserve_constant_names
 from kvexport.exporter.spec import build_spec
 from kvexport.partitioners.base import TAG, Partitioner
-from kvexport.partitioners.portable import PortablePartitioner
+from kvexport.partitioners.portable.partitioner import PortablePartitioner
 from kvexport.passes.base import Pass, PassError, run_passes
 from kvexport.passes.reserve_constant_names import ConstantNames
 from kvexport.runtime import generate, load
@@ -286,8 +286,8 @@ def test_a_backend_registers_from_outside_the_project(tmp_path, tiny_package):
     """A backend is one registered object: this one takes the portable
     partitioner, compiles nothing, and marks the manifest; export and load
     work with no file of the project edited."""
-    from kvexport.exporter.backends import Backend, _BACKENDS, register_backend
-    from kvexport.partitioners.portable import PortablePartitioner
+    from kvexport.partitioners.registry import Backend, _BACKENDS, register_backend
+    from kvexport.partitioners.portable.partitioner import PortablePartitioner
     from kvexport.runtime import generate, load
 
     compiled = []

@@ -16,8 +16,8 @@ from safetensors import safe_open
 
 from helpers import export_tiny, hf_greedy, prompt_of
 from kvexport.cli.main import main
-from kvexport.exporter.models import load_model
-from kvexport.exporter.quantize import quantize_model
+from kvexport.exporter.sources.models import load_model
+from kvexport.exporter.quantization.quantize import quantize_model
 from kvexport.runtime import generate, load
 from kvexport.contract.errors import SpecError
 from kvexport.contract.validate import validate_package

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvexport.contract.errors import SpecError
-from kvexport.exporter.gguf_codes import GroupCodes, read_gguf_codes
+from kvexport.exporter.quantization.gguf_codes import GroupCodes, read_gguf_codes
 from kvexport.exporter.memory import release_freed_memory
 from kvexport.passes.packed_weights import dequantize_packed, dequantize_rows, pack, pad_rows
 

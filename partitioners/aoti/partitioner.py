@@ -9,7 +9,7 @@ import platform
 
 import torch
 
-from kvexport.partitioners.portable import PortablePartitioner
+from kvexport.partitioners.portable.partitioner import PortablePartitioner
 from kvexport.passes.base import Pass
 from kvexport.passes.packed_weights import FusedPackedLinearPass
 from kvexport.passes.quantized_weights import FusedDequantizeMatmulPass
@@ -36,14 +36,14 @@ def compile_target(device: str) -> dict:
 class AotiPartitioner(PortablePartitioner):
     """Takes every op, with the portable backend's passes and checks; the
     compiling happens when the package is written, once constant names are
-    final (exporter/aoti_compile.py)."""
+    final (partitioners/aoti/compile.py)."""
 
     backend_id = "aoti"
 
     def __init__(self, device: str = "cpu", kernel_rows: tuple[int, ...] = ()):
         self.device = device
         # fp32 products over these static row counts stay linears here: the
-        # compile gives them to the row kernel (passes/row_kernel_linear.py)
+        # compile gives them to the row kernel (passes/rows_linear.py)
         self.kernel_rows = tuple(kernel_rows)
 
     def packed_kernel_passes(self) -> list[Pass]:

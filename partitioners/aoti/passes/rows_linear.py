@@ -1,15 +1,15 @@
-"""RowKernelLinearPass: fp32 linears over a few static rows call kvexport's
-row kernel (exporter/row_kernel.cpp) in AOTInductor's compiled code.
+"""RowsLinearPass: fp32 linears over a few static rows call kvexport's
+row kernel (kernels/rows_linear.cpp) in AOTInductor's compiled code.
 
 The kernel reads each weight once at close to the memory's streaming rate
 while it multiplies up to 8 rows in registers; the BLAS's small-row GEMM
 reads at half that rate or less on some CPUs (bench/floor.py). Which row
-counts gain is measured once per machine (exporter/kernel_probe.py).
+counts gain is measured once per machine (partitioners/aoti/kernels/probe.py).
 
-The rewrite happens only where a method is compiled (exporter/aoti_compile.py),
+The rewrite happens only where a method is compiled (partitioners/aoti/compile.py),
 never in the program a package stores: that stays plain aten, so any runtime
 can still read it. In the compiled code the operator is a direct C call into
-the kernel, linked into the method's library (exporter/row_kernel.py); its
+the kernel, linked into the method's library (kernels/build.py); its
 eager implementation here is the reference `F.linear`, which tracing and
 tests run.
 """
@@ -39,8 +39,8 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 ROWS_LINEAR = torch.ops.kvexport.rows_linear.default
 
 
-class RowKernelLinearPass(Fp32LinearRewrite):
-    name = "row_kernel_linear"
+class RowsLinearPass(Fp32LinearRewrite):
+    name = "rows_linear"
     leftover = "fp32 linears over the row kernel's row counts left on the BLAS"
 
     def __init__(self, rows: tuple[int, ...]):

@@ -1,6 +1,6 @@
 """Which kernel runs an fp32 product over a few rows faster on this machine:
 the BLAS (as `W @ x.T`, passes/weight_stationary_linear.py) or kvexport's
-row kernel (exporter/row_kernel.cpp, passes/row_kernel_linear.py).
+row kernel (kernels/rows_linear.cpp, passes/rows_linear.py).
 
 Measured once per machine (CPU model, instruction set, threads, torch, the
 kernel's source) and kept in kvexport's cache directory, so every export on
@@ -37,7 +37,7 @@ _UNBUILT: set[Path] = set()  # probes whose kernels failed to build in this proc
 
 def kernel_rows(device: str, mode: str = "auto") -> tuple[int, ...]:
     """The static row counts whose fp32 products run on the row kernel."""
-    from kvexport.exporter import row_kernel
+    from kvexport.partitioners.aoti.kernels import build as row_kernel
 
     if device != "cpu" or mode == "off" or not row_kernel.supported():
         return ()
@@ -76,7 +76,7 @@ def measure() -> dict[str, dict[int, float]]:
     """Weight-read GB/s (median of REPEATS) of each kernel at 1..MAX_ROWS rows."""
     import torch
 
-    from kvexport.exporter.row_kernel import rows_linear
+    from kvexport.partitioners.aoti.kernels.build import rows_linear
     from kvexport.passes.weight_stationary_linear import WeightStationaryLinearPass
 
     weights = [torch.randn(SHAPE) for _ in range(LAYERS)]
@@ -113,7 +113,7 @@ def _machine() -> dict:
     import torch
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    from kvexport.exporter.row_kernel import FILES
+    from kvexport.partitioners.aoti.kernels.build import FILES
 
     model = "unknown"
     with contextlib.suppress(OSError):

@@ -1,5 +1,5 @@
 """MaskedAttentionPass: attention of a few static query rows over the cell
-pools calls kvexport's masked attention (exporter/attention_kernel.cpp) in
+pools calls kvexport's masked attention (kernels/masked_attention.cpp) in
 AOTInductor's compiled code, instead of sdpa.
 
 sdpa scores every row against every cell of the pool view before the mask
@@ -8,7 +8,7 @@ session's cells. The kernel gathers each row's visible cells and attends over
 those alone (bench/attention_kernels.py measures both).
 
 Like the row kernel, the rewrite happens only where a method is compiled
-(exporter/aoti_compile.py), for the row counts the row kernel takes; the
+(compile.py), for the row counts the row kernel takes; the
 stored programs keep `aten.scaled_dot_product_attention`. The eager
 implementation here is sdpa itself.
 """

@@ -51,7 +51,7 @@ class CompileJob:
     device: str = "cpu"
     state: tuple = ()  # runtime-owned buffers (ingraph_kv's cache): zeros stand in while compiling
     kernel_rows: tuple = ()  # fp32 linears and attention over these static row counts call kvexport's kernels
-    kernel_archive: Path | None = None  # the folder of kvexport's kernels' static library (exporter/row_kernel.py)
+    kernel_archive: Path | None = None  # the folder of kvexport's kernels' static library (kernels/build.py)
 
 
 def compile_one(job: CompileJob) -> tuple[str, float]:
@@ -96,10 +96,10 @@ def compile_one(job: CompileJob) -> tuple[str, float]:
     program.example_inputs = (tuple(t.to(job.device) for t in example_inputs(job.inputs)), {})
     configs = dict(INDUCTOR_CONFIGS)
     if job.kernel_rows:
-        from kvexport.exporter.row_kernel import inductor_configs
+        from kvexport.partitioners.aoti.kernels.build import inductor_configs
         from kvexport.passes.base import run_passes
-        from kvexport.passes.masked_attention import MaskedAttentionPass
-        from kvexport.passes.row_kernel_linear import RowKernelLinearPass
+        from kvexport.partitioners.aoti.passes.masked_attention import MaskedAttentionPass
+        from kvexport.partitioners.aoti.passes.rows_linear import RowKernelLinearPass
 
         kernels = [RowKernelLinearPass(job.kernel_rows), MaskedAttentionPass(job.kernel_rows)]
         run_passes(program.graph_module, kernels, job.method)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from kvexport.exporter.architectures import ARCHITECTURES, resolve, tiny_config
+from kvexport.exporter.sources.architectures import ARCHITECTURES, resolve, tiny_config
 from kvexport.contract.errors import ModelError
 from kvexport.contract.package import cache_dir, sha256_file
 
@@ -333,7 +333,7 @@ def _converted_gguf(gguf: Path, progress: Callable[[str], None]) -> Path:
     progress(f"converting {gguf.name} to safetensors once, one tensor at a time (cached in {target})")
     if importlib.util.find_spec("gguf") is None:
         raise ModelError("loading a .gguf file needs the gguf package: pip install gguf accelerate")
-    from kvexport.exporter.gguf_convert import convert_gguf
+    from kvexport.exporter.sources.gguf_convert import convert_gguf
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))

@@ -1,0 +1,86 @@
+"""The AOTInductor backend: every method compiled ahead of time for the
+export machine's device, the weights left out of the compiled code (the
+runtime binds the package's one copy to every method).
+
+Its room: the partitioner (partitioner.py), the compile step (compile.py),
+the passes that run inside the compile (passes/: kvexport's kernels take
+the products and attention over a few rows) and the kernels (kernels/)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvexport.contract.errors import ExportError, SpecError
+from kvexport.partitioners.aoti.kernels.probe import MODES as KERNEL_MODES
+from kvexport.partitioners.registry import Backend, BackendOptions, CompileContext, register_backend
+
+
+
+@dataclass
+class AotiOptions(BackendOptions):
+    # static row counts whose fp32 products and attention run on kvexport's
+    # kernels (kernels/probe.py decides them once per machine for auto)
+    kernel_rows: tuple[int, ...] = ()
+
+
+def _check_spec(spec) -> None:
+    if spec.row_kernel not in KERNEL_MODES:
+        raise SpecError(f"--row-kernel must be one of {', '.join(KERNEL_MODES)}, got {spec.row_kernel!r}")
+
+
+def _configure(spec) -> AotiOptions:
+    import torch
+
+    from kvexport.partitioners.aoti.kernels.probe import kernel_rows
+
+    if spec.device == "cuda" and not torch.cuda.is_available():
+        raise ExportError("--device cuda needs a CUDA GPU, and torch sees none on this machine")
+    rows = kernel_rows(spec.device, spec.row_kernel)
+    if rows:
+        from kvexport.partitioners.aoti.kernels.build import archive_dir
+
+        archive_dir()  # built (once per machine) before any work, so a missing compiler fails first
+    # one compile process per core, and no more than there are methods
+    methods = len(spec.forward_sizes) + 1
+    workers = spec.compile_workers or min(os.cpu_count() or 1, methods)
+    return AotiOptions(spec.device, workers, rows)
+
+
+def _partitioners(options: AotiOptions) -> list:
+    from kvexport.partitioners.aoti.partitioner import AotiPartitioner
+
+    return [AotiPartitioner(options.device, kernel_rows=options.kernel_rows)]
+
+
+def _manifest_entry(options: AotiOptions) -> dict:
+    from kvexport.partitioners.aoti.partitioner import compile_target
+
+    return {"target": compile_target(options.device) | {"fp32_kernel_rows": list(options.kernel_rows)}}
+
+
+def _compile(ctx: CompileContext) -> dict[str, str]:
+    """Every method compiled by AOTInductor in worker processes."""
+    from kvexport.contract.package import program_path
+    from kvexport.partitioners.aoti.compile import CompileJob, compile_methods
+    from kvexport.partitioners.aoti.kernels.build import archive_dir
+
+    options: AotiOptions = ctx.options
+    rows = options.kernel_rows
+    archive = archive_dir() if rows else None
+    if rows:
+        ctx.progress(f"kvexport's kernels for fp32 products and attention over {','.join(map(str, rows))} rows: {archive}")
+    jobs = [
+        CompileJob(name, ctx.root / entry["program"], ctx.weights, ctx.bindings[name], ctx.aliases, entry["inputs"],
+                   ctx.root / program_path(name, compiled=True), options.device, entry.get("state", []),
+                   rows, archive)
+        for name, entry in ctx.methods.items()
+    ]
+    compile_methods(jobs, options.compile_workers, ctx.progress)
+    return {job.method: job.output.relative_to(ctx.root).as_posix() for job in jobs}
+
+
+register_backend(
+    Backend("aoti", "every method compiled ahead of time with AOTInductor", _partitioners, _compile, _manifest_entry,
+            devices=("cpu", "cuda"), configure=_configure, check_spec=_check_spec)
+)

@@ -1,0 +1,205 @@
+"""Builds kvexport's kernels for the instruction set inductor compiles for,
+and hands AOTInductor what it needs to call them. The kernels (their C
+signatures are the table in signatures.py): rows_linear (rows_linear.cpp,
+fp32 products over a few rows) and masked_attention (masked_attention.cpp,
+a few query rows over a cell pool), both written in vec.h's vocabulary.
+
+Builds, each kept in kvexport's cache directory under a key of the sources,
+the flags and the compiler:
+- `archive`: a static library of the kernels and their C shims (shims.cpp),
+  which AOTInductor links into each compiled method (`custom_op_libs`), so a
+  package's library carries them and needs nothing of kvexport at run time;
+- `shared`: the kernels alone, which `rows_linear` and `masked_attention`
+  below call through ctypes (the kernel probe, bench/ and the tests);
+- `shims`: kernels and shims as a shared library linked to torch, whose
+  shims the tests call on tensor handles.
+Each can be built for another instruction set than inductor's (`isa`), so
+the tests check AVX2 code on an AVX-512 machine too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kvexport.contract.errors import ExportError
+from kvexport.partitioners.aoti.kernels.signatures import KERNELS, MASKED_ATTENTION, ROWS_LINEAR, header
+
+HERE = Path(__file__).parent
+MATH = (HERE / "rows_linear.cpp", HERE / "masked_attention.cpp")
+SHIMS = HERE / "shims.cpp"
+FILES = (*MATH, SHIMS, HERE / "vec.h", HERE / "signatures.py")  # everything a build reads
+LIBRARY = "kvexport_kernels"
+ISAS = ("avx2", "avx512")
+
+
+def supported() -> bool:
+    """The kernel is written for x86 with AVX2+FMA or AVX-512: is that what
+    inductor compiles for here?"""
+    return platform.machine() in ("x86_64", "AMD64") and _isa() in ISAS
+
+
+def inductor_configs() -> dict:
+    """The AOTInductor settings under which `kvexport::rows_linear` and
+    `kvexport::masked_attention` compile to direct calls of the kernels
+    linked into the method's library. The archive's folder must be on
+    LIBRARY_PATH for the link (partitioners/aoti/compile.py)."""
+    import torch
+
+    import kvexport.partitioners.aoti.passes  # noqa: F401  (registers the kvexport:: ops)
+
+    shims = {getattr(torch.ops.kvexport, kernel.name).default: [kernel.shim_declaration()] for kernel in KERNELS}
+    return {"aot_inductor.custom_ops_to_c_shims": shims, "aot_inductor.custom_op_libs": [LIBRARY]}
+
+
+def archive_dir() -> Path:
+    """The folder holding lib<LIBRARY>.a, built for inductor's instruction set."""
+    return _build("archive")
+
+
+def rows_linear(x, weight, out=None, isa: str | None = None):
+    """x [M, K] (unit stride along K) @ weight [N, K] (contiguous).T on the
+    rows_linear kernel (built for `isa`, inductor's by default), into out
+    [M, N] (contiguous) when given."""
+    import torch
+
+    (m, k), n = x.shape, weight.shape[0]
+    out = x.new_empty(m, n) if out is None else out
+    if not (x.dtype == weight.dtype == out.dtype == torch.float32 and weight.shape[1] == k and x.stride(1) == 1
+            and weight.is_contiguous() and out.is_contiguous() and tuple(out.shape) == (m, n)):
+        raise ValueError("rows_linear takes fp32 x [M, K] with unit stride along K, a contiguous weight [N, K] "
+                         "and out [M, N]")
+    shared_kernel(isa)[ROWS_LINEAR.name](x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), m, n, k)
+    return out
+
+
+def masked_attention(query, key, value, mask, scale: float, out=None, isa: str | None = None):
+    """sdpa(query [1, H, T, D], key and value [1, Hkv, C, D], bool mask [T, C],
+    GQA) on the masked_attention kernel (built for `isa`), into out
+    [1, H, T, D] (contiguous) when given; unit strides along D."""
+    import torch
+
+    heads, rows, dim = query.shape[1:]
+    kv_heads, cells = key.shape[1:3]
+    out = query.new_empty(1, heads, rows, dim) if out is None else out
+    if not (query.dtype == key.dtype == value.dtype == out.dtype == torch.float32 and mask.dtype == torch.bool
+            and query.shape[0] == key.shape[0] == 1 and key.shape == value.shape and key.shape[3] == dim
+            and heads % kv_heads == 0 and tuple(mask.shape) == (rows, cells)
+            and query.stride(3) == key.stride(3) == value.stride(3) == 1
+            and out.is_contiguous() and tuple(out.shape) == (1, heads, rows, dim)):
+        raise ValueError("masked_attention takes fp32 query [1, H, T, D], key and value [1, Hkv, C, D] (unit "
+                         "strides along D), a bool mask [T, C] and out [1, H, T, D]")
+    shared_kernel(isa)[MASKED_ATTENTION.name](
+        query.data_ptr(), query.stride(1), query.stride(2), key.data_ptr(), key.stride(1), key.stride(2),
+        value.data_ptr(), value.stride(1), value.stride(2), mask.data_ptr(), mask.stride(0), mask.stride(1),
+        out.data_ptr(), heads, kv_heads, rows, cells, dim, scale)
+    return out
+
+
+def shared_kernel(isa: str | None = None) -> dict:
+    """Kernel name -> its math through ctypes, built for `isa` (inductor's
+    by default). Call them through `rows_linear` and `masked_attention`,
+    which check the operands."""
+    return _load_math(isa)
+
+
+def shims_library(isa: str | None = None) -> Path:
+    """The kernels and their shims as a shared library linked to torch."""
+    return _build("shims", isa) / f"lib{LIBRARY}_shims.so"
+
+
+@functools.cache
+def _load_math(isa: str | None) -> dict:
+    library = ctypes.CDLL(str(_build("shared", isa) / f"lib{LIBRARY}.so"))
+    functions = {}
+    for kernel in KERNELS:
+        function = getattr(library, kernel.symbol)
+        function.argtypes, function.restype = kernel.argtypes(), None
+        functions[kernel.name] = function
+    return functions
+
+
+def _isa() -> str:
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return str(pick_vec_isa()).split()[0] if pick_vec_isa() else ""
+
+
+def _arch_flags(isa: str | None) -> list[str]:
+    """Inductor's own -m flags for its instruction set (None), else those of
+    the plain AVX2 or AVX-512 build."""
+    from torch._inductor import cpu_vec_isa
+
+    if isa is None:
+        return cpu_vec_isa.pick_vec_isa().build_arch_flags().split()
+    builds = {"avx2": cpu_vec_isa.VecAVX2, "avx512": cpu_vec_isa.VecAVX512}
+    if isa not in builds:
+        raise ExportError(f"kvexport's kernels have no build for instruction set {isa!r} (known: {', '.join(builds)})")
+    return builds[isa]().build_arch_flags().split()
+
+
+def _commands(kind: str, isa: str | None, out: Path) -> list[list[str]]:
+    """The compiler runs that build `kind`; out holds kernels.h and the result."""
+    import torch.utils.cpp_extension
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    compiler = get_cpp_compiler()
+    flags = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", *_arch_flags(isa), f"-I{out}"]
+    if kind == "shared":
+        return [[compiler, *flags, "-shared", *map(str, MATH), "-o", str(out / f"lib{LIBRARY}.so")]]
+    torch_flags = ["-DKVEXPORT_AOTI_SHIM", *(f"-I{path}" for path in torch.utils.cpp_extension.include_paths())]
+    if kind == "shims":
+        libraries = torch.utils.cpp_extension.library_paths()
+        return [[compiler, *flags, *torch_flags, "-shared", *map(str, (*MATH, SHIMS)), *(f"-L{p}" for p in libraries),
+                 *(f"-Wl,-rpath,{p}" for p in libraries), "-ltorch", "-ltorch_cpu", "-lc10",
+                 "-o", str(out / f"lib{LIBRARY}_shims.so")]]
+    objects = [out / source.with_suffix(".o").name for source in (*MATH, SHIMS)]
+    return [*([compiler, *flags, *torch_flags, "-c", str(source), "-o", str(obj)]
+              for source, obj in zip((*MATH, SHIMS), objects)),
+            ["ar", "rcs", str(out / f"lib{LIBRARY}.a"), *map(str, objects)]]
+
+
+@functools.cache
+def _version(compiler: str) -> str:
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+
+
+def _build(kind: str, isa: str | None = None) -> Path:
+    """Builds once per source, flags and compiler; concurrent builds (compile
+    workers) each write their own folder and the first rename wins."""
+    from kvexport.contract.package import cache_dir
+
+    if not supported():
+        raise ExportError(f"kvexport's kernels need an x86 CPU with AVX2 or AVX-512; inductor compiles for "
+                          f"{_isa() or 'no vector ISA'} here")
+    probe = _commands(kind, isa, Path("OUT"))
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in FILES), repr(probe), _version(probe[0][0])]).encode())
+    root = cache_dir() / "kernels"
+    final = root / f"{kind}-{isa or _isa()}-{key.hexdigest()[:16]}"
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=root))
+    try:
+        (work / "kernels.h").write_text(header())
+        for command in _commands(kind, isa, work):
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode:
+                raise ExportError(f"building kvexport's kernels failed ({' '.join(command[:2])} ...):\n{done.stderr[-2000:]}"
+                                  "\nthe fix: a C++ compiler with AVX2 support (the one AOTInductor uses), or "
+                                  "--row-kernel off")
+        try:
+            os.rename(work, final)
+        except OSError:  # another process built it first
+            if not final.is_dir():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final

@@ -1,0 +1,153 @@
+// Attention of a few query rows over a cell pool through the contract's mask,
+// reading only the cells each row may see, for AOTInductor packages on x86
+// CPUs (build.py builds it; the compiled forward_<N> methods call it through
+// its shim in shims.cpp).
+//
+// Why not sdpa: sdpa scores every row against every cell of the pool view and
+// then masks. With 8 sessions in one step each row sees its own session's
+// cells, an eighth of the view, so 7/8 of that work is thrown away; with one
+// session sdpa's per-head matrix products cost more in call overhead than the
+// few hundred dot products do. Here each (row, kv head) task gathers the row's
+// visible cells once, and every query head of the group scores them, takes an
+// exact softmax (max-subtracted, a vectorized exp) and sums the values.
+//
+// Semantics are sdpa's with a boolean mask and GQA: out[h, t] =
+// softmax(scale * q[h, t] . k[h / G, c] over visible c) . v[h / G, c];
+// a row that sees no cell gets zeros, as torch's CPU sdpa gives.
+
+#include <omp.h>
+
+#include <cmath>
+#include <vector>
+
+#include "kernels.h"
+#include "vec.h"
+
+using namespace kv;
+
+namespace {
+
+// the first n (1..8) floats at p, all 8 when n is 8
+inline vec load_upto(const float* p, int n) { return n == LANES ? load(p) : load_first(p, n); }
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  vec s0 = zero(), s1 = zero();
+  int64_t d = 0;
+  for (; d + 2 * LANES <= D; d += 2 * LANES) {
+    s0 = fma(load(a + d), load(b + d), s0);
+    s1 = fma(load(a + d + LANES), load(b + d + LANES), s1);
+  }
+  for (; d < D; d += LANES) {
+    const int n = D - d < LANES ? (int)(D - d) : LANES;
+    s0 = fma(load_first(a + d, n), load_first(b + d, n), s0);
+  }
+  return total(add(s0, s1));
+}
+
+// scale * q . k for four cells at once: four independent FMA chains, summed
+// across lanes together
+inline void dot4(const float* q, const float* k, const int64_t* cells, int64_t k_sc, int64_t D, float scale,
+                 float* out) {
+  const float* rows[4] = {k + cells[0] * k_sc, k + cells[1] * k_sc, k + cells[2] * k_sc, k + cells[3] * k_sc};
+  vec a0 = zero(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t d = 0; d < D; d += LANES) {
+    const int n = D - d < LANES ? (int)(D - d) : LANES;
+    const vec qv = load_upto(q + d, n);
+    a0 = fma(qv, load_upto(rows[0] + d, n), a0);
+    a1 = fma(qv, load_upto(rows[1] + d, n), a1);
+    a2 = fma(qv, load_upto(rows[2] + d, n), a2);
+    a3 = fma(qv, load_upto(rows[3] + d, n), a3);
+  }
+  total4(a0, a1, a2, a3, scale, out);
+}
+
+// p[0..n) = e^(p - max p) in place; returns 1 / their sum
+inline float softmax_numerators(float* p, int64_t n) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < n; j++) top = p[j] > top ? p[j] : top;
+  vec sum = zero();
+  const vec shift = broadcast(top);
+  int64_t j = 0;
+  for (; j + LANES <= n; j += LANES) {
+    const vec e = exp_nonpositive(sub(load(p + j), shift));
+    store(p + j, e);
+    sum = add(sum, e);
+  }
+  if (j < n) {
+    const int rest = (int)(n - j);
+    const vec e = keep_first(exp_nonpositive(sub(load_first(p + j, rest), shift)), rest);
+    store_first(p + j, e, rest);
+    sum = add(sum, e);
+  }
+  return 1.0f / total(sum);
+}
+
+// o[0..D) = inverse * sum_i p[i] * v[cells[i]], 64 dims at a time in 8 registers
+inline void weighted_values(const float* p, const int64_t* cells, int64_t n, const float* vh, int64_t v_sc, int64_t D,
+                            float inverse, float* o) {
+  const vec scale = broadcast(inverse);
+  for (int64_t d0 = 0; d0 < D; d0 += 8 * LANES) {
+    vec a[8];
+    for (int b = 0; b < 8; b++) a[b] = zero();
+    if (D - d0 >= 8 * LANES) {
+      for (int64_t i = 0; i < n; i++) {
+        const vec w = broadcast(p[i]);
+        const float* row = vh + cells[i] * v_sc + d0;
+#pragma GCC unroll 8
+        for (int b = 0; b < 8; b++) a[b] = fma(w, load(row + LANES * b), a[b]);
+      }
+      for (int b = 0; b < 8; b++) store(o + d0 + LANES * b, mul(a[b], scale));
+    } else {
+      const int blocks = (int)((D - d0 + LANES - 1) / LANES);
+      for (int64_t i = 0; i < n; i++) {
+        const vec w = broadcast(p[i]);
+        const float* row = vh + cells[i] * v_sc + d0;
+        for (int b = 0; b < blocks; b++) {
+          const int width = D - d0 - LANES * b < LANES ? (int)(D - d0 - LANES * b) : LANES;
+          a[b] = fma(w, load_first(row + LANES * b, width), a[b]);
+        }
+      }
+      for (int b = 0; b < blocks; b++) {
+        const int width = D - d0 - LANES * b < LANES ? (int)(D - d0 - LANES * b) : LANES;
+        store_first(o + d0 + LANES * b, mul(a[b], scale), width);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// q[h, t, d] at q + h * q_sh + t * q_st + d (likewise k, v over [kv head, cell, d]),
+// mask[t, c] at mask + t * m_st + c * m_sc, out [H, T, D] contiguous
+void kvexport_masked_attention(const float* q, int64_t q_sh, int64_t q_st, const float* k, int64_t k_sh, int64_t k_sc,
+                               const float* v, int64_t v_sh, int64_t v_sc, const bool* mask, int64_t m_st,
+                               int64_t m_sc, float* out, int64_t H, int64_t Hkv, int64_t T, int64_t C, int64_t D,
+                               float scale) {
+  const int64_t group = H / Hkv;
+#pragma omp parallel
+  {
+    std::vector<int64_t> cells(C);
+    std::vector<float> p(C + LANES);
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < T * Hkv; task++) {
+      const int64_t t = task / Hkv, kvh = task % Hkv;
+      int64_t n = 0;
+      for (int64_t c = 0; c < C; c++)
+        if (mask[t * m_st + c * m_sc]) cells[n++] = c;
+      const float* kh = k + kvh * k_sh;
+      const float* vh = v + kvh * v_sh;
+      for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
+        float* o = out + (h * T + t) * D;
+        if (n == 0) {
+          for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
+          continue;
+        }
+        const float* qh = q + h * q_sh + t * q_st;
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) dot4(qh, kh, cells.data() + j, k_sc, D, scale, &p[j]);
+        for (; j < n; j++) p[j] = scale * dot(qh, kh + cells[j] * k_sc, D);
+        weighted_values(p.data(), cells.data(), n, vh, v_sc, D, softmax_numerators(p.data(), n), o);
+      }
+    }
+  }
+}

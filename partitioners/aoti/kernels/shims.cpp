@@ -1,0 +1,173 @@
+// The AOTInductor C shims of kvexport's kernels: what a compiled method's
+// generated code calls for the custom ops kvexport::rows_linear and
+// kvexport::masked_attention (the backend's passes emit them). Each shim reads
+// its tensor handles, checks them against what the math takes (the compile
+// guarantees them; a shim checks rather than trusts), says on stderr why it
+// refuses any, allocates the result and calls the math (rows_linear.cpp,
+// masked_attention.cpp). Built only into the static archive AOTInductor links.
+
+#include <cmath>
+#include <cstdio>
+
+#include "kernels.h"
+
+#include <torch/csrc/inductor/aoti_torch/generated/c_shim_cpu.h>
+
+namespace {
+
+// generated code reports only that a shim failed: the reason goes to stderr
+AOTITorchError refuse(const char* kernel, const char* why) {
+  std::fprintf(stderr, "kvexport %s: refused its operands: %s\n", kernel, why);
+  return AOTI_TORCH_FAILURE;
+}
+
+struct Operand {
+  int64_t dims = 0;
+  int32_t dtype = 0;
+  int64_t* sizes = nullptr;
+  int64_t* strides = nullptr;
+  void* data = nullptr;
+};
+
+// false when a handle cannot be read
+bool read(AtenTensorHandle handle, Operand& o) {
+  return !(aoti_torch_get_dim(handle, &o.dims) || aoti_torch_get_dtype(handle, &o.dtype) ||
+           aoti_torch_get_sizes(handle, &o.sizes) || aoti_torch_get_strides(handle, &o.strides) ||
+           aoti_torch_get_data_ptr(handle, &o.data));
+}
+
+// a new contiguous fp32 CPU tensor of the given sizes, and its data
+AOTITorchError new_fp32(int dims, const int64_t* size, AtenTensorHandle* out, void** data) {
+  int64_t stride[4];
+  int64_t step = 1;
+  for (int i = dims - 1; i >= 0; i--) {
+    stride[i] = step;
+    step *= size[i];
+  }
+  if (aoti_torch_empty_strided(dims, size, stride, aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0, out))
+    return AOTI_TORCH_FAILURE;
+  if (aoti_torch_get_data_ptr(*out, data)) {
+    aoti_torch_delete_tensor_object(*out);
+    return AOTI_TORCH_FAILURE;
+  }
+  return AOTI_TORCH_SUCCESS;
+}
+
+// ----------------------------------------------------------- masked attention
+// Rows that see most of the view in common (one session's rows, T >= 4) are
+// faster through sdpa's blocked products (bench/attention_kernels.py: 8 rows
+// over 1024 cells, 0.23 ms against 0.29): the kernel pays for each row alone.
+constexpr int64_t DENSE_MIN_ROWS = 4;
+
+bool dense(const Operand& mask, int64_t T, int64_t C) {
+  int64_t visible = 0;
+  for (int64_t t = 0; t < T; t++) {
+    const uint8_t* row = (const uint8_t*)mask.data + t * mask.strides[0];
+    if (mask.strides[1] == 1) {
+      for (int64_t c = 0; c < C; c++) visible += row[c];  // vectorized
+    } else {
+      for (int64_t c = 0; c < C; c++) visible += row[c * mask.strides[1]];
+    }
+  }
+  return 2 * visible > T * C;
+}
+
+// torch's own CPU sdpa (the call inductor makes for sdpa), with the mask as
+// the additive float mask it takes, into out
+AOTITorchError attend_with_sdpa(AtenTensorHandle query, AtenTensorHandle key, AtenTensorHandle value,
+                                const Operand& mask, int64_t T, int64_t C, double scale, AtenTensorHandle out) {
+  const int64_t size[2] = {T, C};
+  AtenTensorHandle additive, result = nullptr, logsumexp = nullptr;
+  void* data;
+  if (new_fp32(2, size, &additive, &data)) return AOTI_TORCH_FAILURE;
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t c = 0; c < C; c++)
+      ((float*)data)[t * C + c] =
+          ((const bool*)mask.data)[t * mask.strides[0] + c * mask.strides[1]] ? 0.0f : -INFINITY;
+  AOTITorchError error = aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu(
+      query, key, value, 0.0, 0, &additive, &scale, &result, &logsumexp);
+  if (!error) error = aoti_torch_copy_(out, result, 0);
+  for (AtenTensorHandle t : {additive, result, logsumexp})
+    if (t) aoti_torch_delete_tensor_object(t);
+  return error;
+}
+
+// why masked_attention cannot take these operands, or nullptr
+const char* attention_problem(const Operand* o) {
+  for (int i = 0; i < 4; i++) {
+    if (o[i].dims != (i == 3 ? 2 : 4)) return "query, key and value must be 4-d and the mask 2-d";
+    if (o[i].dtype != (i == 3 ? aoti_torch_dtype_bool() : aoti_torch_dtype_float32()))
+      return "query, key and value must be float32 and the mask bool";
+  }
+  const int64_t *q = o[0].sizes, *k = o[1].sizes, *v = o[2].sizes, *m = o[3].sizes;
+  if (q[0] != 1 || k[0] != 1 || v[0] != 1) return "the batch dim must be 1";
+  if (k[1] < 1 || q[1] % k[1]) return "the query heads must be a multiple of the key heads";
+  if (k[3] != q[3] || v[1] != k[1] || v[2] != k[2] || v[3] != q[3]) return "key and value must be [1, Hkv, C, D]";
+  if (m[0] != q[2] || m[1] != k[2]) return "the mask must be [T, C]";
+  if (q[3] > 1 && (o[0].strides[3] != 1 || o[1].strides[3] != 1 || o[2].strides[3] != 1))
+    return "query, key and value need unit stride along D";
+  return nullptr;
+}
+
+// ---------------------------------------------------------------- rows linear
+// why rows_linear cannot take these operands, or nullptr
+const char* rows_problem(const Operand& x, const Operand& w) {
+  if (x.dims != 2 || w.dims != 2) return "x and weight must be 2-d";
+  if (x.dtype != aoti_torch_dtype_float32() || w.dtype != aoti_torch_dtype_float32())
+    return "x and weight must be float32";
+  const int64_t M = x.sizes[0], K = x.sizes[1], N = w.sizes[0];
+  if (w.sizes[1] != K) return "x is [M, K] and weight must be [N, K]";
+  if (K > 1 && (x.strides[1] != 1 || w.strides[1] != 1)) return "x and weight need unit stride along K";
+  if ((N > 1 && w.strides[0] != K) || (M > 1 && x.strides[0] < K)) return "weight must be contiguous, x's rows apart";
+  return nullptr;
+}
+
+}  // namespace
+
+extern "C" AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle weight,
+                                                     AtenTensorHandle* ret0) {
+  Operand a, w;
+  if (!read(x, a) || !read(weight, w)) return refuse("rows_linear", "a tensor handle could not be read");
+  if (const char* why = rows_problem(a, w)) return refuse("rows_linear", why);
+  const int64_t M = a.sizes[0], K = a.sizes[1], N = w.sizes[0];
+  const int64_t size[2] = {M, N};
+  AtenTensorHandle out;
+  void* out_data;
+  if (new_fp32(2, size, &out, &out_data)) return refuse("rows_linear", "the result could not be allocated");
+  if (M > 0 && N > 0)
+    kvexport_rows_linear((const float*)a.data, M > 1 ? a.strides[0] : K, (const float*)w.data, (float*)out_data, M, N,
+                         K);
+  *ret0 = out;
+  return AOTI_TORCH_SUCCESS;
+}
+
+extern "C" AOTITorchError aoti_torch_cpu_masked_attention(AtenTensorHandle query, AtenTensorHandle key,
+                                                          AtenTensorHandle value, AtenTensorHandle mask, double scale,
+                                                          AtenTensorHandle* ret0) {
+  const AtenTensorHandle handles[4] = {query, key, value, mask};
+  Operand o[4];
+  for (int i = 0; i < 4; i++)
+    if (!read(handles[i], o[i])) return refuse("masked_attention", "a tensor handle could not be read");
+  if (const char* why = attention_problem(o)) return refuse("masked_attention", why);
+  const int64_t H = o[0].sizes[1], T = o[0].sizes[2], D = o[0].sizes[3], Hkv = o[1].sizes[1], C = o[1].sizes[2];
+  const int64_t size[4] = {1, H, T, D};
+  AtenTensorHandle out;
+  void* out_data;
+  if (new_fp32(4, size, &out, &out_data)) return refuse("masked_attention", "the result could not be allocated");
+  if (T >= DENSE_MIN_ROWS && dense(o[3], T, C)) {
+    const AOTITorchError error = attend_with_sdpa(query, key, value, o[3], T, C, scale, out);
+    if (error) {
+      aoti_torch_delete_tensor_object(out);
+      return refuse("masked_attention", "torch's sdpa failed on the dense rows");
+    }
+    *ret0 = out;
+    return AOTI_TORCH_SUCCESS;
+  }
+  if (H > 0 && T > 0 && D > 0)
+    kvexport_masked_attention((const float*)o[0].data, o[0].strides[1], o[0].strides[2], (const float*)o[1].data,
+                              o[1].strides[1], o[1].strides[2], (const float*)o[2].data, o[2].strides[1],
+                              o[2].strides[2], (const bool*)o[3].data, o[3].strides[0], o[3].strides[1],
+                              (float*)out_data, H, Hkv, T, C, D, (float)scale);
+  *ret0 = out;
+  return AOTI_TORCH_SUCCESS;
+}

@@ -1,0 +1,76 @@
+"""Each kernel's C signatures, declared once. The build writes them into
+kernels.h, which the math and the shims include, so the compiler holds both
+to this table; AOTInductor's shim map and the ctypes entry points read the
+same rows.
+
+A kernel `NAME` is three things: the custom op `kvexport::NAME` that the
+backend's compile-time passes emit (passes/), the math `kvexport_NAME` on
+raw pointers (NAME.cpp), and the AOTInductor C shim
+`aoti_torch_cpu_NAME` on tensor handles (shims.cpp), which checks the
+operands, says why it refuses any, and calls the math.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    math: tuple[str, ...]  # the math's C parameters, "type name"
+    shim: tuple[str, ...]  # the shim's parameters before its result handle
+
+    @property
+    def symbol(self) -> str:
+        return f"kvexport_{self.name}"
+
+    @property
+    def shim_symbol(self) -> str:
+        return f"aoti_torch_cpu_{self.name}"
+
+    def math_declaration(self) -> str:
+        return f"void {self.symbol}({', '.join(self.math)})"
+
+    def shim_declaration(self) -> str:
+        return f"AOTITorchError {self.shim_symbol}({', '.join((*self.shim, 'AtenTensorHandle* ret0'))})"
+
+    def argtypes(self) -> list:
+        """ctypes types of the math's parameters."""
+        return [_CTYPES[parameter.rsplit(" ", 1)[0]] for parameter in self.math]
+
+
+_CTYPES = {"const float*": ctypes.c_void_p, "float*": ctypes.c_void_p, "const bool*": ctypes.c_void_p,
+           "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+
+ROWS_LINEAR = Kernel(
+    "rows_linear",
+    # x [M, K] (row stride ldx) @ w [N, K].T -> out [M, N], all fp32, w and out contiguous
+    math=("const float* x", "int64_t ldx", "const float* w", "float* out", "int64_t M", "int64_t N", "int64_t K"),
+    shim=("AtenTensorHandle x", "AtenTensorHandle weight"),
+)
+MASKED_ATTENTION = Kernel(
+    "masked_attention",
+    # q [H, T, D], k and v [Hkv, C, D] (head and row strides given, unit along D),
+    # mask [T, C] (strides given) -> out [H, T, D] contiguous
+    math=("const float* q", "int64_t q_sh", "int64_t q_st", "const float* k", "int64_t k_sh", "int64_t k_sc",
+          "const float* v", "int64_t v_sh", "int64_t v_sc", "const bool* mask", "int64_t m_st", "int64_t m_sc",
+          "float* out", "int64_t H", "int64_t Hkv", "int64_t T", "int64_t C", "int64_t D", "float scale"),
+    shim=("AtenTensorHandle query", "AtenTensorHandle key", "AtenTensorHandle value", "AtenTensorHandle mask",
+          "double scale"),
+)
+KERNELS = (ROWS_LINEAR, MASKED_ATTENTION)
+
+
+def header() -> str:
+    """kernels.h: every kernel's math and shim declarations."""
+    math = "\n".join(f"{kernel.math_declaration()};" for kernel in KERNELS)
+    shims = "\n".join(f"{kernel.shim_declaration()};" for kernel in KERNELS)
+    return (
+        "// Written by kernels/signatures.py at build time: edit the table there.\n"
+        "#pragma once\n\n#include <cstdint>\n\n"
+        f'extern "C" {{\n{math}\n}}\n\n'
+        "#ifdef KVEXPORT_AOTI_SHIM\n#include <torch/csrc/inductor/aoti_torch/c/shim.h>\n\n"
+        f'extern "C" {{\n{shims}\n}}\n#endif\n'
+    )

@@ -1,0 +1,95 @@
+// The vector vocabulary every kvexport CPU kernel is written in: 8-float
+// vectors on x86 with AVX2 and FMA. The kernels say what they compute (load,
+// fma, total, exp); only this file says how, so a kernel reads the same on
+// every instruction set and a new one is a new section here.
+//
+// AVX-512 builds use the same 8-float vectors (AVX512VL gives them 32
+// registers instead of 16): on the AMD EPYC the kernels were measured on, the
+// 16-float vectors read weights 5-10% slower at 1-4 rows and no faster at 8
+// (Zen 4 splits them in two). What differs by instruction set is the register
+// count the tiles are sized by.
+
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+#if !defined(__AVX2__) || !defined(__FMA__)
+#error "kvexport's kernels need AVX2 with FMA"
+#endif
+
+namespace kv {
+
+typedef __m256 vec;
+constexpr int LANES = 8;
+#ifdef __AVX512VL__
+constexpr int REGISTERS = 32;
+#else
+constexpr int REGISTERS = 16;
+#endif
+
+static inline vec zero() { return _mm256_setzero_ps(); }
+static inline vec broadcast(float x) { return _mm256_set1_ps(x); }
+static inline vec load(const float* p) { return _mm256_loadu_ps(p); }
+static inline void store(float* p, vec a) { _mm256_storeu_ps(p, a); }
+
+// the lanes below n (0..8) set, the rest clear
+static inline __m256i first_lanes(int n) {
+  static const int32_t mask[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  return _mm256_loadu_si256((const __m256i*)(mask + 8 - n));
+}
+// the first n (1..8) floats at p, zeros after: never reads past p + n
+static inline vec load_first(const float* p, int n) { return _mm256_maskload_ps(p, first_lanes(n)); }
+// writes the first n (1..8) lanes of a to p: never writes past p + n
+static inline void store_first(float* p, vec a, int n) { _mm256_maskstore_ps(p, first_lanes(n), a); }
+// a with its lanes from n on cleared
+static inline vec keep_first(vec a, int n) { return _mm256_and_ps(a, _mm256_castsi256_ps(first_lanes(n))); }
+
+static inline vec add(vec a, vec b) { return _mm256_add_ps(a, b); }
+static inline vec sub(vec a, vec b) { return _mm256_sub_ps(a, b); }
+static inline vec mul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+static inline vec max(vec a, vec b) { return _mm256_max_ps(a, b); }
+static inline vec fma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }    // a * b + c
+static inline vec fnma(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b
+
+// the sum of the 8 lanes
+static inline float total(vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// scale times the sums of four vectors' lanes, to out[0..3], in one pass
+static inline void total4(vec a0, vec a1, vec a2, vec a3, float scale, float* out) {
+  const vec pairs = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(pairs), _mm256_extractf128_ps(pairs, 1));
+  _mm_storeu_ps(out, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+}
+
+// e^x for x <= 0 (scores minus their max): 2^n * p(r) with r = x - n ln 2,
+// the polynomial of Cephes' expf (about 1 ulp); under -87 it is 0
+static inline vec exp_nonpositive(vec x) {
+  const vec low = broadcast(-87.0f);
+  const vec underflow = _mm256_cmp_ps(x, low, _CMP_LT_OQ);
+  x = max(x, low);
+  const vec n = _mm256_round_ps(mul(x, broadcast(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  vec r = fnma(n, broadcast(0.693359375f), x);
+  r = fnma(n, broadcast(-2.12194440e-4f), r);
+  vec p = broadcast(1.9875691500e-4f);
+  p = fma(p, r, broadcast(1.3981999507e-3f));
+  p = fma(p, r, broadcast(8.3334519073e-3f));
+  p = fma(p, r, broadcast(4.1665795894e-2f));
+  p = fma(p, r, broadcast(1.6666665459e-1f));
+  p = fma(p, r, broadcast(5.0000001201e-1f));
+  p = fma(p, mul(r, r), add(r, broadcast(1.0f)));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, mul(p, _mm256_castsi256_ps(scale)));
+}
+
+// fetches the cache line at p into L2 ahead of its use: weights streamed a
+// few rows ahead overlap the reads with the arithmetic (T0 and NTA hints
+// measured slower)
+static inline void prefetch_l2(const float* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
+
+}  // namespace kv

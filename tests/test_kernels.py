@@ -1,0 +1,209 @@
+"""kvexport's kernels (partitioners/aoti/kernels/), one table of cases driven
+through both ways in: the math on raw pointers (the ctypes entry points the
+probe and benches use) and the AOTInductor C shims on tensor handles (what
+compiled methods call), on every instruction set this CPU runs (AVX2 code on
+an AVX-512 machine too), against torch's own kernels."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from kvexport.contract.errors import ExportError
+from kvexport.partitioners.aoti.kernels import build
+from kvexport.partitioners.aoti.kernels.signatures import KERNELS
+
+pytestmark = pytest.mark.skipif(not build.supported(), reason="kvexport's kernels need x86 with AVX2 or AVX-512")
+
+
+def runnable_isas() -> list[str]:
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    names = {str(isa).split()[0] for isa in valid_vec_isa_list()}
+    return [isa for isa in build.ISAS if isa in names]
+
+
+ISAS = runnable_isas()
+
+
+class Shims:
+    """The shims of one build, called as generated code calls them."""
+
+    def __init__(self, isa: str):
+        self.library = ctypes.CDLL(str(build.shims_library(isa)))
+        api = ctypes.pythonapi
+        api.PyCapsule_GetPointer.restype, api.PyCapsule_GetPointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+        api.PyCapsule_New.restype, api.PyCapsule_New.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        self.api = api
+
+    def call(self, name: str, *operands) -> torch.Tensor:
+        """The shim's result; raises ValueError when the shim refuses."""
+        kernel = next(k for k in KERNELS if k.name == name)
+        function = getattr(self.library, kernel.shim_symbol)
+        function.restype = ctypes.c_int32
+        function.argtypes = [ctypes.c_double if p.startswith("double") else ctypes.c_void_p for p in kernel.shim]
+        function.argtypes += [ctypes.POINTER(ctypes.c_void_p)]
+        handles = [self._handle(o) if isinstance(o, torch.Tensor) else o for o in operands]
+        result = ctypes.c_void_p()
+        try:
+            if function(*handles, ctypes.byref(result)):
+                raise ValueError(f"{name}'s shim refused its operands")
+        finally:
+            delete = self.library.aoti_torch_delete_tensor_object
+            delete.argtypes = [ctypes.c_void_p]
+            for operand, handle in zip(operands, handles):
+                if isinstance(operand, torch.Tensor):
+                    delete(handle)
+        return torch._C._aoti.alloc_tensor_by_stealing_from_void_ptr(self.api.PyCapsule_New(result.value, None, None))
+
+    def _handle(self, tensor: torch.Tensor) -> int:
+        return self.api.PyCapsule_GetPointer(torch._C._aoti.unsafe_alloc_void_ptr_from_tensor(tensor), None)
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def isa(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def shims(isa):
+    return Shims(isa)
+
+
+# ----------------------------------------------------------- rows linear
+def rows_operands(rows: int, out_features: int, width: int, row_stride: int = 0):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features + width)
+    x = torch.randn(rows, row_stride or width, generator=g)[:, :width]
+    return x, torch.randn(out_features, width, generator=g)
+
+
+# row counts over and under a register tile (4 or 8 rows), weight rows not a
+# multiple of a tile or a thread's band, widths with a vector tail, strided rows
+ROWS_CASES = [(r, n, k, 0) for r in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16) for n, k in ((64, 64), (131, 72), (5, 7), (200, 1))]
+ROWS_CASES += [(6, 40, 64, 100), (1, 3, 9, 12)]
+
+
+@pytest.mark.parametrize("rows,out_features,width,row_stride", ROWS_CASES)
+def test_rows_linear(isa, shims, rows, out_features, width, row_stride):
+    x, weight = rows_operands(rows, out_features, width, row_stride)
+    want = torch.nn.functional.linear(x, weight)
+    out = torch.full((rows, out_features), float("nan"))
+    torch.testing.assert_close(build.rows_linear(x, weight, out=out, isa=isa), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shims.call("rows_linear", x, weight), want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------ masked attention
+def attention_operands(heads, kv_heads, rows, cells, head_dim, seed=0):
+    """Keys and values as strided views of [C, Hkv, D] pools, the query as a
+    transposed [1, T, H, D]; the first row sees nothing (zeros, as sdpa
+    gives), the last sees cell 0."""
+    g = torch.Generator().manual_seed(heads * 100 + cells + seed)
+    pool_k, pool_v = torch.randn(cells, kv_heads, head_dim, generator=g), torch.randn(cells, kv_heads, head_dim, generator=g)
+    key, value = pool_k.permute(1, 0, 2).unsqueeze(0), pool_v.permute(1, 0, 2).unsqueeze(0)
+    query = torch.randn(1, rows, heads, head_dim, generator=g).transpose(1, 2) * 3
+    mask = torch.rand(rows, cells, generator=g) > 0.6
+    mask[0] = False
+    mask[-1, 0] = True
+    return query, key, value, mask
+
+
+# GQA groups, head dims with a vector tail and over 64, one cell; the shim
+# hands 4+ rows that see most cells to sdpa (the dense case)
+ATTENTION_CASES = [(9, 3, 8, 300, 64), (4, 4, 1, 7, 16), (6, 2, 3, 50, 20), (8, 1, 5, 33, 128), (2, 2, 2, 1, 256),
+                   (3, 1, 16, 200, 72)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,rows,cells,head_dim", ATTENTION_CASES)
+def test_masked_attention(isa, shims, heads, kv_heads, rows, cells, head_dim):
+    query, key, value, mask = attention_operands(heads, kv_heads, rows, cells, head_dim)
+    want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True)
+    out = torch.full(query.shape, float("nan"))
+    got = build.masked_attention(query, key, value, mask, 0.3, out=out, isa=isa)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shims.call("masked_attention", query, key, value, mask, 0.3), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_shim_hands_dense_rows_to_sdpa(shims):
+    query, key, value, _ = attention_operands(4, 2, 6, 40, 16)
+    mask = torch.ones(6, 40, dtype=torch.bool)
+    want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.5, enable_gqa=True)
+    torch.testing.assert_close(shims.call("masked_attention", query, key, value, mask, 0.5), want, rtol=1e-5, atol=1e-5)
+
+
+def test_softmax_holds_for_large_and_distant_scores(isa):
+    """The exp runs on max-subtracted scores: large ones do not overflow, and
+    scores 100 apart give the far one no weight."""
+    key = torch.zeros(1, 1, 3, 8)
+    key[0, 0, 0, 0], key[0, 0, 1, 0], key[0, 0, 2, 0] = 1000.0, 900.0, 999.0
+    value = torch.arange(24, dtype=torch.float32).reshape(1, 1, 3, 8)
+    query = torch.zeros(1, 1, 1, 8)
+    query[..., 0] = 1.0
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=1.0)
+    torch.testing.assert_close(build.masked_attention(query, key, value, mask, 1.0, isa=isa), want)
+
+
+# ------------------------------------------------------------ refusals
+REFUSED = [
+    ("rows_linear", lambda: (torch.randn(2, 8), torch.randn(4, 9)), "weight must be \\[N, K\\]"),
+    ("rows_linear", lambda: (torch.randn(2, 8), torch.randn(8, 4).t()), "unit stride along K"),
+    ("rows_linear", lambda: (torch.randn(2, 8).double(), torch.randn(4, 8).double()), "float32"),
+    ("masked_attention", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8),
+                                  torch.ones(2, 4, dtype=torch.bool), 1.0), "mask must be \\[T, C\\]"),
+    ("masked_attention", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8),
+                                  torch.ones(2, 5), 1.0), "mask bool"),
+    ("masked_attention", lambda: (torch.randn(1, 3, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8),
+                                  torch.ones(2, 5, dtype=torch.bool), 1.0), "multiple of the key heads"),
+]
+
+
+@pytest.mark.parametrize("name,operands,why", REFUSED)
+def test_operands_the_kernels_cannot_read_are_refused_with_the_reason(shims, capfd, name, operands, why):
+    """Both ways in refuse before any pointer is read: the Python entry point
+    with a ValueError, the shim with a failure code and its reason on stderr
+    (generated code reports only that a shim failed)."""
+    with pytest.raises(ValueError, match=f"{name} takes"):
+        getattr(build, name)(*operands())
+    with pytest.raises(ValueError, match="refused"):
+        shims.call(name, *operands())
+    assert f"kvexport {name}: refused its operands" in capfd.readouterr().err
+
+
+def test_the_signatures_are_declared_once_and_compiled_against():
+    """kernels.h comes from the table, and the sources declare no signature
+    of their own: a math or shim that strays from the table fails to build."""
+    from pathlib import Path
+
+    header = build.header()
+    for kernel in KERNELS:
+        assert kernel.math_declaration() in header and kernel.shim_declaration() in header
+    for source in Path(build.__file__).parent.glob("*.cpp"):
+        assert 'extern "C" void' not in source.read_text(), source.name
+
+
+# ---------------------------------------------------------------- build
+def test_a_failed_build_names_the_way_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "_commands", lambda kind, isa, out: [["false"]])
+    with pytest.raises(ExportError, match="--row-kernel off"):
+        build.archive_dir()
+    assert not [p for p in (tmp_path / "kernels").iterdir()]  # nothing half-built is kept
+
+
+def test_auto_falls_back_to_the_blas_when_the_kernel_cannot_be_built(tmp_path, monkeypatch):
+    from kvexport.partitioners.aoti.kernels import probe
+
+    monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path))
+    builds = []
+    monkeypatch.setattr(build, "_commands", lambda kind, isa, out: builds.append(kind) or [["false"]])
+    monkeypatch.setattr(probe, "_UNBUILT", set())
+    build._load_math.cache_clear()
+    try:
+        assert probe.kernel_rows("cpu", "auto") == ()
+        tried = len(builds)
+        assert probe.kernel_rows("cpu", "auto") == () and len(builds) == tried  # not again in this process
+        assert not (tmp_path / "probes").exists()  # nor on disk: the next export tries again
+    finally:
+        build._load_math.cache_clear()
