@@ -11,10 +11,10 @@ from pathlib import Path
 import click
 from click.core import ParameterSource
 
+from kvexport.contract import schemes
 from kvexport.contract.errors import KvexportError
 from kvexport.contract.manifest import CONTRACTS, DEVICES, DTYPES
 from kvexport.partitioners.registry import backend_ids, get_backend
-from kvexport.exporter.quantization.quantize import ALGORITHMS, QEMBEDDING, QLINEAR
 
 log = logging.getLogger("kvexport")
 
@@ -71,11 +71,11 @@ def _progress(message: str) -> None:
 @click.option("--max-cells", type=int, help="Cell pool size get_offgraph_kv_max_cells (default 65536).")
 @click.option("--max-context-len", type=int, help="Lower the model's context (default: the model's own).")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), help="Weights and cache dtype (default fp32).")
-@click.option("--qlinear", type=click.Choice(list(QLINEAR)), help="Quantize linears: 8w, 4w (packed two a byte), gguf (keep a GGUF source's own quantization, embeddings included) or 8da4w (torchao).")
-@click.option("--qlinear-algorithm", type=click.Choice(list(ALGORITHMS)), help="How a group's scale and offset are chosen: minmax (the default) or hqq (HQQ's search).")
+@click.option("--qlinear", type=click.Choice(list(schemes.QLINEAR)), help=f"Quantize linears. {schemes.help_text('linear')}.")
+@click.option("--qlinear-algorithm", type=click.Choice(list(schemes.ALGORITHMS)), help="How a group's scale and offset are chosen: minmax (the default) or hqq (HQQ's search).")
 @click.option("--qlinear-keep-8w", help="With --qlinear 4w: comma-separated module patterns kept at 8 bits (e.g. '*.down_proj'), or sensitive:FRACTION for the most sensitive FRACTION measured on a calibration text.")
 @click.option("--qlinear-group-size", type=int, help="Group size (a power of two; default 32 for 4-bit, per channel for 8w).")
-@click.option("--qembedding", type=click.Choice(list(QEMBEDDING)), help="Quantize embeddings: 8w (a tied LM head shares the codes).")
+@click.option("--qembedding", type=click.Choice(list(schemes.QEMBEDDING)), help=f"Quantize embeddings (a tied LM head shares the codes). {schemes.help_text('embedding')}.")
 @click.option("--min-prefill-chunk", type=int, help="Fewest selected rows forward_others takes (get_min_prefill_chunk, default 1).")
 @click.option("--backend", type=click.Choice(backend_ids()), help="; ".join(f"{b.id}: {b.description}" for b in map(get_backend, backend_ids())) + " (default portable).")
 @click.option("--device", type=click.Choice(list(DEVICES)), help="aoti: the device to compile for (default cpu).")

@@ -84,7 +84,7 @@ def describe(path: Path) -> dict[str, Any]:
     weights_name = _get(_get(m, "weights", dict, {}, ""), "file", str, WEIGHTS, "weights.")
     weights_bytes = sizes.get(weights_name) or 0
     total = reader.total_bytes()
-    backend = _get(m, "backend", dict, {"id": "portable"}, "")
+    backend = _get(m, "backend", dict, {"id": mf.DEFAULT_BACKEND}, "")
     backend = {**backend, "target": _get(backend, "target", dict, None, "backend.")}
     return {
         "path": str(reader.path),

@@ -185,6 +185,9 @@ def check_types(metadata: dict, table: dict) -> list[str]:
 
 
 BACKEND_ID = re.compile(r"[a-z][a-z0-9_]{0,31}")
+# the backend an export uses unless told otherwise, and the one that made a
+# package without a backend entry (the first packages had none)
+DEFAULT_BACKEND = "portable"
 
 
 def check_contract(manifest: Any, name: str) -> list[str]:
@@ -214,7 +217,7 @@ def check_backend(manifest: dict) -> list[str]:
     for compiled ones, the target they need. A package holds compiled code
     exactly when its backend entry declares a target, and then every method
     has its compiled file."""
-    backend = manifest.get("backend", {"id": "portable"})
+    backend = manifest.get("backend", {"id": DEFAULT_BACKEND})
     if not isinstance(backend, dict) or not (isinstance(backend.get("id"), str) and BACKEND_ID.fullmatch(backend["id"])):
         return [f"backend: expected {{\"id\": a backend name like portable or aoti}}, found {backend!r:.200}"]
     if compiled_target(manifest) is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvexport.contract import schemes
 from kvexport.contract.manifest import is_int
 
 
@@ -110,8 +111,9 @@ class QuantizationSection:
         if value is None:
             return None
         _need(isinstance(value, dict), "quantization", "an object", value)
-        for key in ("qlinear", "qembedding"):
-            _need(value.get(key) is None or isinstance(value[key], str), f"quantization.{key}", "a scheme or null", value.get(key))
+        for key, names in (("qlinear", schemes.QLINEAR), ("qembedding", schemes.QEMBEDDING)):
+            _need(value.get(key) is None or value[key] in names, f"quantization.{key}", f"one of {', '.join(names)} or null",
+                  value.get(key))
         group = value.get("qlinear_group_size")
         _need(group is None or (is_int(group) and group > 0), "quantization.qlinear_group_size", "a size or null", group)
         coverage = value.get("coverage", [])

@@ -20,7 +20,8 @@ and dumps every method's graph after the steps that change graphs
     gather_weights          one copy of every tensor, tied ones once
     write                   weights (streamed, one tensor at a time), programs,
                             tokenizer, into a partial dir
-    compile                 the backend's compile hook (AOTInductor's, say)
+    compile                 the backend's compile hook (AOTInductor's, say); its
+                            compile passes are dumped as they apply (copies)
     commit                  the manifest, checked; the package verified against its
                             reference (the CLI's check), then one rename into place
 """
@@ -42,6 +43,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvexport.contract import manifest as mf
+from kvexport.contract import schemes
 from kvexport.contract import torch_compat, trust
 from kvexport.contract.errors import ExportError
 from kvexport.contract.package import PackageWriter, check_output
@@ -79,6 +81,7 @@ class ExportState:
     options: BackendOptions  # what the backend decided for this export, once
     partitioners: list[Partitioner]
     stack: contextlib.ExitStack
+    dump: "GraphDump"
     loaded: LoadedModel | None = None
     coverage: list[dict] = field(default_factory=list)
     forward: Any = None
@@ -119,8 +122,7 @@ def memory_plan(state: ExportState) -> None:
     source = source_weights(spec.model, spec.dtype)
     quantized = 0
     if spec.qlinear or spec.qembedding:
-        bits = 8 if (spec.qlinear or "8w") == "8w" else 4
-        quantized = int(source.matrix_values * bits / 8 * 1.1)  # codes, and scales at most 1 in 10
+        quantized = schemes.scheme(spec.qlinear or spec.qembedding).plan_bytes(source.matrix_values)
     workers = state.options.compile_workers
     plan = state.memory = plan_memory(private_weights=source.private_bytes, quantized_bytes=quantized, compile_workers=workers)
     state.progress(f"memory plan: about {plan.total / 1e9:.2f} GB of private memory ({plan.describe()}); "
@@ -273,6 +275,9 @@ def write(state: ExportState) -> None:
 def compile_methods(state: ExportState) -> None:
     if state.backend.compile is None:
         return
+    passes = state.backend.compile_passes(state.options)
+    if passes and state.dump.directory is not None:
+        state.dump("compile_passes", {name: compiled_view(program, passes, name) for name, program in state.programs.items()})
     writer = state.writer
     context = CompileContext(
         writer.root, writer.weights_path, state.methods, state.bindings, state.aliases, state.options, state.spec,
@@ -352,7 +357,7 @@ def export_package(
     with contextlib.ExitStack() as stack:
         options = backend.configure(spec)
         chosen = list(partitioners) if partitioners is not None else backend.partitioners(options)
-        state = ExportState(spec, progress, list(transform_passes), backend, options, chosen, stack)
+        state = ExportState(spec, progress, list(transform_passes), backend, options, chosen, stack, dump)
         state.check_package = check_package
         sampler = stack.enter_context(PeakSampler())
         for run in STEPS:
@@ -421,14 +426,27 @@ class GraphDump:
         self.directory = Path(directory) if directory else None
         self.count = 0
 
-    def __call__(self, step: str, programs: dict[str, torch.export.ExportedProgram]) -> None:
+    def __call__(self, step: str, programs: dict[str, torch.export.ExportedProgram | torch.fx.GraphModule]) -> None:
         if self.directory is None:
             return
         self.count += 1
         for name, program in programs.items():
             path = self.directory / name / f"{self.count}-{step}.txt"
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(f"{program.graph_signature}\n\n{program.graph_module.print_readable(print_output=False)}")
+            if isinstance(program, torch.fx.GraphModule):
+                path.write_text(program.print_readable(print_output=False))
+            else:
+                path.write_text(f"{program.graph_signature}\n\n{program.graph_module.print_readable(print_output=False)}")
+
+
+def compiled_view(program: torch.export.ExportedProgram, passes: list[Pass], method: str) -> torch.fx.GraphModule:
+    """The method as the backend's compile step sees it after its own passes
+    (a copy: the stored program is left as it is)."""
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(program.graph_module.graph, {}))
+    module = torch.fx.GraphModule(program.graph_module, graph)
+    run_passes(module, passes, method)
+    return module
 
 
 def _fingerprint(graph_module: torch.fx.GraphModule) -> list[tuple]:

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from kvexport.partitioners.registry import backend_ids, get_backend
-from kvexport.exporter.memory import parse_size
-from kvexport.exporter.quantization.quantize import ALGORITHMS, QEMBEDDING, QLINEAR
+from kvexport.contract import schemes
 from kvexport.contract.errors import SpecError
-from kvexport.contract.manifest import CONTRACTS, DEVICES, DTYPES, INGRAPH_KV, OFFGRAPH_KV
+from kvexport.contract.manifest import CONTRACTS, DEFAULT_BACKEND, DEVICES, DTYPES, INGRAPH_KV, OFFGRAPH_KV
+from kvexport.exporter.memory import parse_size
+from kvexport.partitioners.registry import backend_ids, get_backend
 
 DEFAULT_FORWARD_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -39,7 +39,7 @@ class ExportSpec:
     qlinear_keep_8w: str = ""  # 4w: comma-separated module patterns (or sensitive:FRACTION) kept at 8 bits
     qembedding: str = ""  # 8w
     min_prefill_chunk: int = 1
-    backend: str = "portable"
+    backend: str = DEFAULT_BACKEND
     device: str = "cpu"  # aoti: the device the methods are compiled for
     compile_workers: int = 0  # aoti: parallel compile processes (0: one per core, at most one per method)
     row_kernel: str = "auto"  # aoti on x86: fp32 products over few rows on kvexport's kernel: auto (measured) | on | off
@@ -93,17 +93,9 @@ class ExportSpec:
             )
         if self.dtype not in DTYPES:
             raise SpecError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.qlinear not in ("",) + QLINEAR:
-            raise SpecError(f"--qlinear must be one of {', '.join(QLINEAR)}, got {self.qlinear!r}")
-        if self.qembedding not in ("",) + QEMBEDDING:
-            raise SpecError(f"--qembedding must be {', '.join(QEMBEDDING)}, got {self.qembedding!r}")
-        if self.qlinear_algorithm not in ALGORITHMS:
-            raise SpecError(f"--qlinear-algorithm must be one of {', '.join(ALGORITHMS)}, got {self.qlinear_algorithm!r}")
-        if self.qlinear_keep_8w and self.qlinear != "4w":
-            raise SpecError("--qlinear-keep-8w keeps some linears at 8 bits in a --qlinear 4w export; add --qlinear 4w")
-        if self.qlinear == "gguf" and (self.qembedding or self.qlinear_group_size):
-            raise SpecError("--qlinear gguf keeps the GGUF's own quantization of every tensor, embeddings and groups "
-                            "included: drop --qembedding and --qlinear-group-size")
+        if (why := schemes.check(self.qlinear, self.qembedding, self.qlinear_group_size, self.qlinear_algorithm,
+                                 self.qlinear_keep_8w)) is not None:
+            raise SpecError(why)
         group = self.qlinear_group_size
         if not _is_int(group) or group < 0 or (group and group & (group - 1)):
             raise SpecError(f"--qlinear-group-size must be a positive power of two, got {group!r}")

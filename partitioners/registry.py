@@ -70,6 +70,10 @@ class Backend:
     devices: tuple[str, ...] = ("cpu",)
     configure: Callable[[Any], BackendOptions] = field(default=lambda spec: BackendOptions(spec.device))
     check_spec: Callable[[Any], None] = _no_check
+    # passes its compile hook runs on each method before compiling it, never on
+    # the stored program (which stays on the package's operator allowlist);
+    # declared here so that --dump-graphs shows what they make
+    compile_passes: Callable[[BackendOptions], list] = field(default=lambda options: [])
 
 
 _BACKENDS: dict[str, Backend] = {}

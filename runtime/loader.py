@@ -80,10 +80,10 @@ class LoadedPackage:
     def __init__(self, reader: PackageReader, verify: bool = True, trust_native_code: bool = False):
         self.reader = reader
         self.manifest = reader.manifest
-        self.backend = self.manifest.get("backend", {"id": "portable"})
+        self.backend = self.manifest.get("backend", {"id": mf.DEFAULT_BACKEND})
         self.device = "cpu"
-        if self.backend["id"] == mf.COMPILED_BACKEND:
-            target = self.backend["target"]
+        target = mf.compiled_target(self.manifest)
+        if target is not None:
             check_target(target)
             # before any byte of it is read: native code runs with the user's permissions
             trust.require_native_code_trusted(reader, trust_native_code)
@@ -154,9 +154,10 @@ class LoadedPackage:
         """An AOTInductor method with the package's tensors bound as
         user-managed constants (no copy), before it can ever be called:
         calling one with unbound constants crashes the process."""
-        if self.backend["id"] != mf.COMPILED_BACKEND:
-            # only the aoti branch of __init__ makes the trust decision
-            raise PackageError(f"methods.{name}.compiled: only an aoti package may hold compiled code (backend is {self.backend['id']!r})")
+        if mf.compiled_target(self.manifest) is None:
+            # only the compiled branch of __init__ makes the trust decision
+            raise PackageError(f"methods.{name}.compiled: only a package whose backend declares a compile target may "
+                               f"hold compiled code (backend {self.backend['id']!r} declares none)")
         entry = self.manifest["methods"][name]
         start = time.perf_counter()
         # checked again now, not only at load: the file is opened minutes later, on first use

@@ -1,4 +1,4 @@
-"""Which part of kvexport may import which, read from the source (imports
+"""The rooms of kvexport and which part may import which, read from the source (imports
 inside functions included): the contract leans on nothing of ours; the
 exporter, passes and partitioners lean on the contract, never on the
 runtime; the runtime never on the exporter; nothing but the CLI imports the
@@ -63,3 +63,53 @@ def test_the_rule_reader_sees_lazy_imports(tmp_path):
     source = tmp_path / "m.py"
     source.write_text("def f():\n    from kvexport.runtime import load\n    import kvexport.cli.main\n")
     assert imported_parts(source) == {"runtime": 2, "cli": 3}
+
+
+def string_constants(path: Path) -> list[tuple[str, int]]:
+    """Every string literal of the file that is not a docstring."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {
+        id(node.body[0].value) for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [(node.value, node.lineno) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings]
+
+
+def test_nothing_outside_a_backends_folder_says_its_name():
+    """A backend is its folder: no core module switches on a backend's id
+    (the default backend is named once, in the contract)."""
+    from kvexport.contract.manifest import DEFAULT_BACKEND
+    from kvexport.partitioners.registry import backend_ids
+
+    ids = set(backend_ids())
+    assert {"portable", "aoti"} <= ids
+    said = []
+    for part in PARTS:
+        for path in sorted((ROOT / part).rglob("*.py")):
+            rel = path.relative_to(ROOT)
+            if rel.parts[0] == "partitioners" and len(rel.parts) > 2 and rel.parts[1] in ids:
+                continue  # the backend's own folder
+            for value, line in string_constants(path):
+                if value in ids and not (rel.as_posix() == "contract/manifest.py" and value == DEFAULT_BACKEND):
+                    said.append(f"{rel}:{line} says {value!r}")
+    assert not said, "only a backend's own folder may name it:\n" + "\n".join(said)
+
+
+def test_each_backend_is_a_folder_that_registers_itself():
+    from kvexport.partitioners.registry import backend_ids
+
+    folders = {p.name for p in (ROOT / "partitioners").iterdir() if (p / "__init__.py").is_file()}
+    assert set(backend_ids()) <= folders | {"mine"}  # tests may register one from outside
+
+
+def test_the_exporter_holds_the_pipeline_and_its_rooms():
+    """exporter/ is the pipeline; model sources and quantization are rooms of
+    their own, and the aoti backend's code lives in its folder."""
+    top = {p.name for p in (ROOT / "exporter").glob("*.py")}
+    assert {"pipeline.py", "spec.py", "plan.py", "forwards.py"} <= top
+    assert not top & {"models.py", "quantize.py", "aoti_compile.py", "row_kernel.py", "backends.py"}
+    assert (ROOT / "exporter" / "sources" / "models.py").is_file()
+    assert (ROOT / "exporter" / "quantization" / "quantize.py").is_file()
+    assert not list((ROOT / "exporter").glob("*.cpp")) and list((ROOT / "partitioners" / "aoti" / "kernels").glob("*.cpp"))

@@ -284,27 +284,50 @@ def test_a_name_bound_twice_fails_loudly():
 # ----------------------------------------------------------------- backends
 def test_a_backend_registers_from_outside_the_project(tmp_path, tiny_package):
     """A backend is one registered object: this one takes the portable
-    partitioner, compiles nothing, and marks the manifest; export and load
-    work with no file of the project edited."""
-    from kvexport.partitioners.registry import Backend, _BACKENDS, register_backend
+    partitioner, decides an option once, declares a compile pass, compiles
+    nothing, and marks the manifest; export and load work with no file of the
+    project edited, and --dump-graphs shows what its compile pass makes while
+    the stored programs stay as they were."""
+    from kvexport.partitioners.registry import Backend, BackendOptions, _BACKENDS, register_backend
     from kvexport.partitioners.portable.partitioner import PortablePartitioner
+    from kvexport.passes.base import Pass
     from kvexport.runtime import generate, load
 
-    compiled = []
+    class NegateOutputs(Pass):
+        name = "negate_outputs"
+
+        def call(self, graph_module):
+            output = next(n for n in graph_module.graph.nodes if n.op == "output")
+            first = output.args[0][0]
+            with graph_module.graph.inserting_before(output):
+                negated = graph_module.graph.call_function(torch.ops.aten.neg.default, (first,))
+            output.args = ((negated, *output.args[0][1:]),)
+            graph_module.recompile()
+            return graph_module, True
+
+    compiled, configured = [], []
 
     def compile_nothing(ctx):
-        compiled.append(sorted(ctx.methods))
+        compiled.append((sorted(ctx.methods), ctx.options.compile_workers))
         return {}
 
-    toy = Backend("toy", "a test backend", lambda spec: [PortablePartitioner()], compile_nothing, lambda spec: {"marker": 42})
+    def configure(spec):
+        configured.append(spec.backend)
+        return BackendOptions(spec.device, compile_workers=3)
+
+    toy = Backend("toy", "a test backend", lambda options: [PortablePartitioner()], compile_nothing,
+                  lambda options: {"marker": options.compile_workers}, configure=configure,
+                  compile_passes=lambda options: [NegateOutputs()])
     register_backend(toy)
     try:
-        result = export_tiny("tiny-llama", tmp_path / "pkg", backend="toy")
+        result = export_tiny("tiny-llama", tmp_path / "pkg", backend="toy", dump_graphs=tmp_path / "dump")
     finally:
         del _BACKENDS["toy"]
     manifest = json.loads((result.path / "manifest.json").read_text())
-    assert manifest["backend"] == {"id": "toy", "marker": 42}
-    assert compiled == [sorted(manifest["methods"])]
+    assert manifest["backend"] == {"id": "toy", "marker": 3} and configured == ["toy"]
+    assert compiled == [(sorted(manifest["methods"]), 3)]
+    [shown] = (tmp_path / "dump" / "forward_1").glob("*-compile_passes.txt")
+    assert "aten.neg.default" in shown.read_text()
     prompt = prompt_of(11, 2)
     assert generate(load(result.path), [prompt], 5) == generate(load(tiny_package("tiny-llama")), [prompt], 5)
 

@@ -133,7 +133,7 @@ def test_compiled_code_needs_the_aoti_backend(tmp_path, aoti_package, monkeypatc
     manifest["backend"] = {"id": "portable"}
     (target / "manifest.json").write_text(dump_manifest(manifest))
     never_load_native_code(monkeypatch)
-    with pytest.raises(PackageError, match="only an aoti package (may hold|holds) compiled code"):
+    with pytest.raises(PackageError, match="only a package whose backend declares a compile target (may hold|holds) compiled code"):
         load(target).package.method("forward_1")
 
 

@@ -31,15 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvexport.contract import schemes
 from kvexport.contract.errors import SpecError
-from kvexport.exporter.quantization.gguf_codes import GroupCodes, read_gguf_codes
 from kvexport.exporter.memory import release_freed_memory
+from kvexport.exporter.quantization.gguf_codes import GroupCodes, read_gguf_codes
 from kvexport.passes.packed_weights import dequantize_packed, dequantize_rows, pack, pad_rows
 
-QLINEAR = ("8w", "4w", "gguf", "8da4w")
-QEMBEDDING = ("8w",)
-ALGORITHMS = ("minmax", "hqq")
-DEFAULT_GROUP_4BIT = 32
+KEPT_8W = schemes.scheme("8w")  # what --qlinear-keep-8w keeps a linear at
+FOUR_BIT = schemes.scheme("4w")  # what the sensitivity of a linear is measured at
 CALIBRATION_TEXT = (
     "The river rose through the night, and by morning the low fields were under water. Farmers moved their "
     "animals to the hills while engineers checked the old stone bridge. In the town, the bakery stayed open, "
@@ -202,8 +201,9 @@ def _codes_for(fqn, module, kind, qlinear, qembedding, group_size, algorithm, ke
         return None, f"tied with {shares}.weight, which is not quantized (add --qembedding 8w to share its codes)"
     if not scheme:
         return None, f"no --q{kind} scheme asked for"
-    bits = 8 if scheme == "8w" or fqn in sensitive or _matches(fqn, keep_8w) else 4
-    group = (group_size or (DEFAULT_GROUP_4BIT if bits == 4 else 0)) if kind == "linear" else 0
+    row = KEPT_8W if fqn in sensitive or _matches(fqn, keep_8w) else schemes.scheme(scheme)
+    bits = row.bits
+    group = (group_size or row.default_group) if kind == "linear" else 0
     if group and weight.shape[1] % group:
         return None, f"width {weight.shape[1]} is not divisible by the group size {group}"
     return quantize_weight(weight, bits, group, algorithm if kind == "linear" else "minmax"), None
@@ -286,12 +286,12 @@ def _sensitive(model, modules, keep_8w, group_size, algorithm, tokenizer, progre
     for fqn, module in linears.items():
         if fqn not in inputs or _matches(fqn, keep_8w):
             continue
-        group = group_size or DEFAULT_GROUP_4BIT
+        group = group_size or FOUR_BIT.default_group
         if module.weight.shape[1] % group:
             continue
         x = inputs[fqn].float()
         exact = x @ module.weight.float().T
-        approx = x @ quantize_weight(module.weight, 4, group, algorithm).dequantize().T
+        approx = x @ quantize_weight(module.weight, FOUR_BIT.bits, group, algorithm).dequantize().T
         errors[fqn] = float((approx - exact).norm() / exact.norm().clamp_min(1e-12))
     ranked = sorted(errors, key=errors.get, reverse=True)
     return set(ranked[: round(fraction * len(ranked))])
@@ -304,7 +304,7 @@ def _torchao_8da4w(model: nn.Module, group_size: int, qembedding: str) -> list[d
     from torchao.quantization.granularity import PerGroup
     from torchao.quantization.quant_primitives import MappingType
 
-    group = group_size or DEFAULT_GROUP_4BIT
+    group = group_size or schemes.scheme("8da4w").default_group
     embedding_rows = quantize_model(model, "", 0, qembedding) if qembedding else []
     rows = []
     for fqn, module in model.named_modules():

@@ -80,7 +80,13 @@ def _compile(ctx: CompileContext) -> dict[str, str]:
     return {job.method: job.output.relative_to(ctx.root).as_posix() for job in jobs}
 
 
+def _compile_passes(options: AotiOptions) -> list:
+    from kvexport.partitioners.aoti.passes import compile_passes
+
+    return compile_passes(options.kernel_rows)
+
+
 register_backend(
     Backend("aoti", "every method compiled ahead of time with AOTInductor", _partitioners, _compile, _manifest_entry,
-            devices=("cpu", "cuda"), configure=_configure, check_spec=_check_spec)
+            devices=("cpu", "cuda"), configure=_configure, check_spec=_check_spec, compile_passes=_compile_passes)
 )

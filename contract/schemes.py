@@ -1,0 +1,80 @@
+"""The quantization schemes, one row each: what `--qlinear` and
+`--qembedding` accept, what each value means, and what it costs. The CLI's
+choices and help, the spec's validation, the memory plan, quantize and the
+manifest's quantization section all read this table, so a scheme is one row
+here plus the code that makes its codes (exporter/quantization/).
+
+The contract holds it because a package's manifest names its scheme, and
+`validate` checks that name against the rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    help: str
+    bits: int  # code bits of its weights; 0: each tensor's own (gguf)
+    default_group: int  # values per scale of a linear's row when --qlinear-group-size is 0; 0 = the whole row
+    storage: str  # "packed": words, scale and offset per group (PackedLinear); "gguf": the GGUF's own blocks; "torchao"
+    linears: bool = True  # a --qlinear value
+    embeddings: bool = False  # a --qembedding value (an embedding's rows: per row)
+    group_sizes: bool = True  # takes --qlinear-group-size
+    algorithms: bool = True  # takes --qlinear-algorithm (how a group's scale and offset are chosen)
+    keeps_8w: bool = False  # takes --qlinear-keep-8w (some linears kept at 8 bits)
+    own_embeddings: bool = False  # quantizes the embeddings itself: --qembedding is refused
+    # what the memory plan counts per weight value for the quantized copy:
+    # codes, and scales and offsets at most one in ten more
+    plan_bytes_per_value: float = 0.55
+
+    def plan_bytes(self, values: int) -> int:
+        return int(values * self.plan_bytes_per_value)
+
+
+SCHEMES = (
+    Scheme("8w", "8-bit codes per row (or per group with --qlinear-group-size)", 8, 0, "packed", embeddings=True,
+           plan_bytes_per_value=1.1),
+    Scheme("4w", "4-bit codes per group of 32, packed two a byte", 4, 32, "packed", keeps_8w=True),
+    Scheme("gguf", "keep a GGUF source's own quantization, embeddings included", 0, 0, "gguf", group_sizes=False,
+           algorithms=False, own_embeddings=True),
+    Scheme("8da4w", "torchao's int8 dynamic activations with int4 weights per group of 32 (torchao)", 4, 32,
+           "torchao", algorithms=False),
+)
+BY_NAME = {scheme.name: scheme for scheme in SCHEMES}
+ALGORITHMS = ("minmax", "hqq")  # a group's scale and offset from its range, or from HQQ's search
+QLINEAR = tuple(s.name for s in SCHEMES if s.linears)
+QEMBEDDING = tuple(s.name for s in SCHEMES if s.embeddings)
+
+
+def scheme(name: str) -> Scheme:
+    return BY_NAME[name]
+
+
+def help_text(kind: str) -> str:
+    """The CLI help of --qlinear or --qembedding, from the rows."""
+    names = QLINEAR if kind == "linear" else QEMBEDDING
+    return "; ".join(f"{name}: {BY_NAME[name].help}" for name in names)
+
+
+def check(qlinear: str, qembedding: str, group_size: int, algorithm: str, keep_8w: str) -> str | None:
+    """Why this combination of quantization flags cannot be honoured, or None."""
+    if qlinear not in ("", *QLINEAR):
+        return f"--qlinear must be one of {', '.join(QLINEAR)}, got {qlinear!r}"
+    if qembedding not in ("", *QEMBEDDING):
+        return f"--qembedding must be {', '.join(QEMBEDDING)}, got {qembedding!r}"
+    if algorithm not in ALGORITHMS:
+        return f"--qlinear-algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}"
+    row = BY_NAME.get(qlinear)
+    if keep_8w and not (row and row.keeps_8w):
+        able = [s.name for s in SCHEMES if s.keeps_8w]
+        return f"--qlinear-keep-8w keeps some linears at 8 bits in a --qlinear {'/'.join(able)} export; add --qlinear {able[0]}"
+    if row and row.own_embeddings and (qembedding or group_size):
+        return (f"--qlinear {qlinear} keeps the source's own quantization of every tensor, embeddings and groups "
+                f"included: drop --qembedding and --qlinear-group-size")
+    if row and group_size and not row.group_sizes:
+        return f"--qlinear {qlinear} takes no --qlinear-group-size"
+    if row and algorithm != ALGORITHMS[0] and not row.algorithms:
+        return f"--qlinear {qlinear} chooses its own scales: drop --qlinear-algorithm {algorithm}"
+    return None
