@@ -1,5 +1,5 @@
 """The README's table of verified architectures: exports each family's tiny
-random model (exporter/architectures.py) and checks it against Hugging Face.
+random model (exporter/sources/architectures.py) and checks it against Hugging Face.
 
     python bench/architectures.py            # markdown table
     python bench/architectures.py --json

@@ -1,6 +1,6 @@
 """Passes for weights that reach the graph as stored integer tensors plus
 the arithmetic that dequantizes them (torchao's 8da4w, see
-exporter/quantize.py; packed weights have their own, passes/packed_weights.py).
+exporter/quantization/quantize.py; packed weights have their own, passes/packed_weights.py).
 
 FusedDequantizeMatmulPass (AOTInductor on the CPU): a product of a few rows
 with a weight dequantized at run time is written as a multiply and a sum

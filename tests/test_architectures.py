@@ -1,5 +1,5 @@
 """Every supported decoder family against Hugging Face, on the tiny random
-configs of exporter/architectures.py; sliding windows; refusals."""
+configs of exporter/sources/architectures.py; sliding windows; refusals."""
 
 from __future__ import annotations
 

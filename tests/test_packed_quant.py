@@ -1,5 +1,5 @@
 """Packed codes (passes/packed_weights.py) and the quantizers that fill them
-(exporter/quantize.py): round trips, the fused product against the plain
+(exporter/quantization/quantize.py): round trips, the fused product against the plain
 one, GGUF sources kept exactly, mixed 4/8-bit recipes."""
 
 from __future__ import annotations
