@@ -97,12 +97,10 @@ def compile_one(job: CompileJob) -> tuple[str, float]:
     configs = dict(INDUCTOR_CONFIGS)
     if job.kernel_rows:
         from kvexport.partitioners.aoti.kernels.build import inductor_configs
+        from kvexport.partitioners.aoti.passes import compile_passes
         from kvexport.passes.base import run_passes
-        from kvexport.partitioners.aoti.passes.masked_attention import MaskedAttentionPass
-        from kvexport.partitioners.aoti.passes.rows_linear import RowKernelLinearPass
 
-        kernels = [RowKernelLinearPass(job.kernel_rows), MaskedAttentionPass(job.kernel_rows)]
-        run_passes(program.graph_module, kernels, job.method)
+        run_passes(program.graph_module, compile_passes(job.kernel_rows), job.method)
         configs |= inductor_configs()
     with compile_directory(job.method) as directory, temporary_cache_dir(str(directory)), _library_path(job.kernel_archive):
         torch._inductor.aoti_compile_and_package(program, package_path=str(job.output), inductor_configs=configs)
