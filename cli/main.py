@@ -12,6 +12,7 @@ import click
 from click.core import ParameterSource
 
 from kvexport.contract import schemes
+from kvexport.contract.display import escape_lines
 from kvexport.contract.errors import KvexportError
 from kvexport.contract.manifest import CONTRACTS, DEVICES, DTYPES
 from kvexport.partitioners.registry import backend_ids, get_backend
@@ -21,7 +22,8 @@ log = logging.getLogger("kvexport")
 
 class KvexportGroup(click.Group):
     """Turns a KvexportError into one line on stderr and exit code 1; the
-    traceback only with --debug."""
+    traceback only with --debug. A message may quote a package's strings:
+    it is escaped, so none reaches the terminal as a control sequence."""
 
     def invoke(self, ctx: click.Context):
         try:
@@ -29,7 +31,7 @@ class KvexportGroup(click.Group):
         except KvexportError as e:
             if ctx.meta.get("debug"):
                 raise
-            click.echo(f"kvexport: error: {e}", err=True)
+            click.echo(f"kvexport: error: {escape_lines(str(e))}", err=True)
             ctx.exit(1)
         except KeyboardInterrupt:
             click.echo("kvexport: interrupted", err=True)
@@ -39,7 +41,7 @@ class KvexportGroup(click.Group):
         except Exception as e:
             if ctx.meta.get("debug"):
                 raise
-            click.echo(f"kvexport: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)", err=True)
+            click.echo(f"kvexport: internal error: {type(e).__name__}: {escape_lines(str(e))} (run with --debug for the traceback)", err=True)
             ctx.exit(1)
 
 
@@ -155,10 +157,9 @@ def export(
 
 
 def _write_report(path: Path, content: dict) -> None:
-    try:
-        path.write_text(json.dumps(content, indent=1, default=str) + "\n")
-    except OSError as e:
-        raise KvexportError(f"--report {path}: cannot write it ({e.strerror or e})") from None
+    from kvexport.exporter.output_files import write_file
+
+    write_file(path, json.dumps(content, indent=1, default=str) + "\n")  # replaces a link at path, never follows it
 
 
 def _check_package(root: Path) -> str:
@@ -370,7 +371,7 @@ def generate(
 
     def on_token(i: int, token: int) -> None:
         if stream is not None:
-            click.echo(stream.push(token), nl=False)
+            click.echo(escape_lines(stream.push(token)), nl=False)  # the package's tokenizer spells it
 
     outputs = run_generate(runtime, ids, max_new_tokens, sampling, seed, on_token, on_device_sampler=not host_sampler)
     if as_json:
@@ -384,7 +385,7 @@ def generate(
     else:
         for i, generated in enumerate(outputs):
             body = text.decode(generated) if text is not None else " ".join(map(str, generated))
-            click.echo(f"--- output {i} ---\n{body}")
+            click.echo(f"--- output {i} ---\n{escape_lines(body)}")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,12 @@ partitioners lean on it, and so does the runtime.
     offgraph_kv.py    the offgraph_kv contract: metadata, methods, input order
     single_sequence.py  the ingraph_kv and hf_static contracts
     package.py        PackageWriter / PackageReader: the file layout
-    program_check.py  what a stored program may hold (the allowlist)
+    confined_io.py    opening a package's files once, inside it, never by a link
+    program_check.py  what a stored program may hold, checked before torch reads it
+    op_allowlist.py   the exact operator overloads a program may call, and why each is safe
+    tokenizer_files.py  the files a tokenizer folder may hold, read and checked
+    chat_template.py  chat templates rendered with bounded work
+    display.py        package strings escaped for a terminal
     torch_compat.py   torch's program (de)serializer, used safely
     step_width.py     the step-width declaration and its check
     sampler.py        the samplers the package's methods and hosts share

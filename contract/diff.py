@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvexport.contract.display import escape
 from kvexport.contract.errors import PackageError
 from kvexport.contract.package import PackageReader, sha256_file
 from kvexport.contract.validate import weights_layout
@@ -92,15 +93,15 @@ def _file_digests(reader: PackageReader, skip: set) -> dict[str, str]:
 
 def render(a: Path, b: Path, differences: list[Difference], limit: int = 200) -> str:
     if not differences:
-        return f"same: {a} and {b} hold the same contract, methods, metadata, weights and files"
-    lines = [f"{len(differences)} difference(s) between {a} (a) and {b} (b):"]
+        return escape(f"same: {a} and {b} hold the same contract, methods, metadata, weights and files")
+    lines = [escape(f"{len(differences)} difference(s) between {a} (a) and {b} (b):")]
     for d in differences[:limit]:
-        lines.append(f"  {d.where}: {_short(d.a)} -> {_short(d.b)}")
+        lines.append(f"  {escape(d.where)}: {_short(d.a)} -> {_short(d.b)}")
     if len(differences) > limit:
         lines.append(f"  ... {len(differences) - limit} more (--json lists them all)")
     return "\n".join(lines)
 
 
 def _short(value: Any, width: int = 100) -> str:
-    text = value if isinstance(value, str) else repr(value)
+    text = escape(value if isinstance(value, str) else repr(value))  # a package's string, shown
     return text if len(text) <= width else text[: width - 3] + "..."

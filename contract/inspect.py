@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvexport.contract import manifest as mf
+from kvexport.contract.display import escape
 from kvexport.contract.errors import PackageError
 from kvexport.contract.manifest import format_shape
 from kvexport.contract.package import WEIGHTS, PackageReader
@@ -178,4 +179,4 @@ def render(info: dict[str, Any]) -> str:
         lines.append(f"  command: {' '.join(prov['command'])}")
     if prov.get("created_utc"):
         lines.append(f"  created: {prov['created_utc']}")
-    return "\n".join(lines)
+    return "\n".join(map(escape, lines))  # every line shows package strings

@@ -15,16 +15,20 @@ import gzip
 import hashlib
 import json
 import logging
+import mmap
 import os
 import re
 import secrets
 import shutil
 import tempfile
 import time
-import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from kvexport.contract.confined_io import (  # noqa: F401  (sha256_file, confined_problem: others import them from here)
+    MAX_PROGRAM_BYTES, confined_problem, inflate_program, map_fd, open_inside, open_problem, read_fd, resolves_inside,
+    sha256_buffer, sha256_fd, sha256_file,
+)
 from kvexport.contract.errors import ExportError, PackageError
 
 MANIFEST = "manifest.json"
@@ -41,47 +45,6 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvexport"
     )
     return Path(root)
-
-
-REMEMBERED_DIGEST_BYTES = 64 << 20  # files at least this large have their digest remembered
-_RACY_NS = 2_000_000_000  # a stamp this close after the file's last change is not trusted
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    """The file's sha256. A large file's digest is remembered in the cache
-    (digests/), keyed by its device, inode, size, mtime and ctime (not its
-    path: a package is renamed into place after it is hashed): a 15 GB
-    weights file is hashed once, not on every load. Any change to the
-    file changes its ctime, which no user can set back, so a changed file
-    is hashed again; a stamp written within 2 s of the file's last change
-    is not trusted (file systems with coarse timestamps)."""
-    path = Path(path)
-    st = os.stat(path)
-    stamp = None
-    if st.st_size >= REMEMBERED_DIGEST_BYTES:
-        key = f"{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
-        name = hashlib.sha256(key.encode()).hexdigest()
-        stamp = cache_dir() / "digests" / name[:2] / name
-        try:
-            remembered = stamp.read_text().strip()
-            if os.stat(stamp).st_mtime_ns - st.st_ctime_ns >= _RACY_NS and re.fullmatch(r"[0-9a-f]{64}", remembered):
-                return remembered
-        except OSError:
-            pass
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    out = digest.hexdigest()
-    if stamp is not None and os.stat(path).st_ctime_ns == st.st_ctime_ns:
-        try:
-            stamp.parent.mkdir(parents=True, exist_ok=True)
-            partial = stamp.with_name(f".{stamp.name}.{os.getpid()}")
-            partial.write_text(out)
-            os.replace(partial, stamp)
-        except OSError:
-            pass  # a read-only cache: hash again next time
-    return out
 
 
 def program_path(method: str, compiled: bool = False) -> str:
@@ -358,9 +321,8 @@ class PackageReader:
         if not manifest_path.is_file() or manifest_path.is_symlink():
             raise PackageError(f"{self.path}: not a kvexport package ({MANIFEST} is missing)")
         self.layout_problems = _layout_problems(self.path)
-        if manifest_path.stat().st_size > MAX_MANIFEST_BYTES:
-            raise PackageError(f"{manifest_path}: {manifest_path.stat().st_size} bytes, more than a manifest holds ({MAX_MANIFEST_BYTES})")
-        self.manifest_bytes = manifest_path.read_bytes()
+        self._held: dict[str, bytes] = {}  # files read once, kept as hashed (programs)
+        self.manifest_bytes = self.read_file(MANIFEST, MANIFEST, MAX_MANIFEST_BYTES)
         try:
             self.manifest: dict[str, Any] = json.loads(self.manifest_bytes)
         except (ValueError, RecursionError) as e:
@@ -385,23 +347,25 @@ class PackageReader:
         for prefix in ("/".join(parts[: i + 1]) for i in range(len(parts))):
             if prefix in self.layout_problems:
                 return self.layout_problems[prefix]
-        return None if _inside(self.path, self.path / rel) else "resolves outside the package"
+        return None if resolves_inside(self.path, self.path / rel) else "resolves outside the package"
 
     def referenced_files(self) -> list[str]:
         """Every file the manifest points at (weights, programs, compiled)."""
-        weights = self.manifest.get("weights")
-        refs = [weights.get("file", WEIGHTS) if isinstance(weights, dict) else WEIGHTS]
+        refs = [self.weights_file]
         methods = self.manifest.get("methods")
         for entry in methods.values() if isinstance(methods, dict) else ():
             if isinstance(entry, dict):
                 refs += [entry[k] for k in ("program", "compiled") if k in entry]
         return refs
 
-    def verify_checksums(self, only: list[str] | None = None) -> list[str]:
+    def verify_checksums(self, only: list[str] | None = None, skip: tuple[str, ...] = ()) -> list[str]:
         """Compares files against the manifest; returns the mismatches. A
         file the manifest points at must be listed (and so checked). A path
         that would leave the package is refused before anything touches it,
-        so the answer never tells whether a file outside exists."""
+        so the answer never tells whether a file outside exists. Programs
+        are hashed from the bytes program_json later parses; the files in
+        `skip` are hashed by their user as they are read (map_file,
+        copy_file), so no file is hashed by path and used by another."""
         files = self.manifest.get("files")
         if not isinstance(files, dict):
             return ["files: missing from the manifest"]
@@ -411,42 +375,146 @@ class PackageReader:
                 problems.append(f"{rel!r:.200}: {why}")
             elif rel not in files:
                 problems.append(f"files.{rel}: the manifest uses it but lists no checksum for it")
-        for rel, entry in sorted(files.items()):
+        for rel in sorted(files):
             if only is not None and rel not in only:
                 continue
             if (why := self.path_problem(rel)) is not None:
                 if rel not in self.layout_problems:  # those are listed above
                     problems.append(f"files.{rel!r:.200}: {why}")
                 continue
-            path = self.path / rel
-            if not path.is_file():
-                problems.append(f"files.{rel}: missing from the package")
-            elif not isinstance(entry, dict) or path.stat().st_size != entry.get("bytes"):
-                problems.append(f"files.{rel}: size differs from the manifest")
-            elif sha256_file(path) != entry.get("sha256"):
-                problems.append(f"files.{rel}: checksum differs from the manifest")
+            if rel not in skip:
+                problems += self._file_problems(rel)
         listed = set(files)
         for rel in _package_files(self.path):
             if rel != MANIFEST and rel not in listed:
                 problems.append(f"files.{rel}: in the package but not in the manifest")
         return problems
 
+    def _file_problems(self, rel: str) -> list[str]:
+        """The listed file `rel` against its manifest entry: held files
+        (programs) from their kept bytes, the rest from one descriptor."""
+        try:
+            if rel in self.program_files():
+                data = self.held(rel)
+                size, digest = len(data), hashlib.sha256(data).hexdigest()
+            else:
+                fd = self.open_file(rel)
+                try:
+                    size, digest = os.fstat(fd).st_size, sha256_fd(fd)
+                finally:
+                    os.close(fd)
+        except PackageError as e:
+            return [str(e)]
+        return self._digest_problems(rel, size, digest)
+
+    def _digest_problems(self, rel: str, size: int, digest: str) -> list[str]:
+        entry = self.manifest["files"].get(rel)
+        if not isinstance(entry, dict) or size != entry.get("bytes"):
+            return [f"files.{rel}: size differs from the manifest"]
+        if digest != entry.get("sha256"):
+            return [f"files.{rel}: checksum differs from the manifest"]
+        return []
+
+    def require_digest(self, rel: str, size: int, digest: str) -> None:
+        """Raises unless a file read as `size` bytes hashing to `digest` is
+        the one the manifest lists."""
+        files = self.manifest.get("files")
+        if not isinstance(files, dict) or rel not in files:
+            raise PackageError(f"{self.path}: files.{rel}: the manifest uses it but lists no checksum for it")
+        problems = self._digest_problems(rel, size, digest)
+        if problems:
+            raise PackageError(f"{self.path}: the package is damaged: {problems[0]}")
+
+    def open_file(self, rel: str, what: str | None = None) -> int:
+        """A descriptor of the package file `rel`, opened without following
+        any link; the caller closes it."""
+        self.file(rel, what or f"files.{rel}")
+        try:
+            return open_inside(self.path, rel)
+        except OSError as e:
+            if what is None:  # as verify_checksums lists its problems
+                raise PackageError(f"files.{rel}: {open_problem(e)}") from None
+            raise PackageError(f"{self.path}: {what}: {rel} is {open_problem(e)}") from None
+
+    def read_file(self, rel: str, what: str | None, limit: int) -> bytes:
+        """The whole of a file that may hold at most `limit` bytes, read from one descriptor."""
+        fd = self.open_file(rel, what)
+        try:
+            data = read_fd(fd, limit)
+        except OSError as e:
+            raise PackageError(f"{self.path}: {what or 'files'}: cannot read {rel} ({e.strerror or e})") from None
+        finally:
+            os.close(fd)
+        if len(data) > limit:
+            raise PackageError(f"{self.path}: {what or 'files'}: {rel} is more than {limit} bytes, more than a package holds there")
+        return data
+
+    def held(self, rel: str) -> bytes:
+        """A program file's bytes, read once and kept: the checksum and the
+        parse see the same bytes, whatever is renamed into the folder later."""
+        if rel not in self._held:
+            self._held[rel] = self.read_file(rel, None, MAX_PROGRAM_BYTES)
+        return self._held[rel]
+
+    def program_files(self) -> set[str]:
+        methods = self.manifest.get("methods")
+        entries = methods.values() if isinstance(methods, dict) else ()
+        return {e["program"] for e in entries if isinstance(e, dict) and isinstance(e.get("program"), str)}
+
+    def hold_programs(self) -> None:
+        """Reads every program now (a no-op for those verify_checksums read):
+        a method built minutes later parses these bytes, not the folder's."""
+        for rel in sorted(self.program_files()):
+            self.held(rel)
+
     def program_json(self, method: str) -> bytes:
         rel = self.manifest["methods"][method]["program"]
-        path = self.file(rel, f"methods.{method}.program")
+        self.file(rel, f"methods.{method}.program")
+        return inflate_program(self.held(rel), f"methods.{method}.program ({rel})")
+
+    def map_file(self, rel: str, what: str, verify: bool = True) -> mmap.mmap:
+        """A private mapping of `rel`, hashed from the mapping itself (not
+        from the path) when `verify`."""
+        fd = self.open_file(rel, what)
         try:
-            with gzip.open(path, "rb") as f:
-                data = f.read(MAX_PROGRAM_BYTES + 1)
-        except (OSError, EOFError, zlib.error) as e:
-            raise PackageError(f"methods.{method}.program: cannot read {rel} ({type(e).__name__}: {e})") from None
-        if len(data) > MAX_PROGRAM_BYTES:
-            raise PackageError(f"methods.{method}.program: {rel} unpacks to more than {MAX_PROGRAM_BYTES} bytes")
-        return data
+            size = os.fstat(fd).st_size
+            if size == 0:
+                raise PackageError(f"{self.path}: {what}: {rel} is empty")
+            mapping = map_fd(fd, size)
+        except OSError as e:
+            raise PackageError(f"{self.path}: {what}: cannot map {rel} ({e.strerror or e})") from None
+        finally:
+            os.close(fd)
+        if verify:
+            self.require_digest(rel, size, sha256_buffer(mapping))
+        return mapping
+
+    def copy_file(self, rel: str, folder: Path, what: str) -> Path:
+        """Copies `rel` into `folder` (which only this user can write),
+        hashing the bytes as they are copied, and returns the copy once they
+        match the manifest: the copy is what was hashed."""
+        copy = Path(folder) / Path(rel).name
+        fd = self.open_file(rel, what)
+        try:
+            with open(copy, "xb") as out:
+                digest = sha256_fd(fd, out.write)
+                size = out.tell()
+        except OSError as e:
+            raise PackageError(f"{self.path}: {what}: cannot copy {rel} ({e.strerror or e})") from None
+        finally:
+            os.close(fd)
+        self.require_digest(rel, size, digest)
+        return copy
+
+    @property
+    def weights_file(self) -> Any:
+        """The weights' path in the package, as the manifest gives it (unchecked)."""
+        weights = self.manifest.get("weights")
+        return weights.get("file", WEIGHTS) if isinstance(weights, dict) else WEIGHTS
 
     @property
     def weights_path(self) -> Path:
-        weights = self.manifest.get("weights")
-        return self.file(weights.get("file", WEIGHTS) if isinstance(weights, dict) else WEIGHTS, "weights.file")
+        return self.file(self.weights_file, "weights.file")
 
     @property
     def tokenizer_dir(self) -> Path | None:
@@ -464,36 +532,29 @@ class PackageReader:
 
 
 MAX_MANIFEST_BYTES = 64 << 20
-MAX_NAME_BYTES, MAX_PATH_BYTES = 255, 1024  # Linux allows 255 and 4096; a package's own paths are short
-MAX_PROGRAM_BYTES = 1 << 30  # a 70B model's graph is tens of MB; bounds a gzip bomb
 
 
-def confined_problem(rel: Any) -> str | None:
-    """Why `rel` is not a plain relative path inside a package, or None."""
-    if not isinstance(rel, str) or not rel:
-        return "not a relative path string"
-    if "\\" in rel or "\0" in rel or rel.startswith("/") or os.path.isabs(rel):
-        return "an absolute path or odd characters; package paths are relative, with /"
-    if any(part in ("", ".", "..") for part in rel.split("/")):
-        return "has an empty, '.' or '..' part; package paths stay inside the package"
-    try:
-        encoded = os.fsencode(rel)
-    except UnicodeError:
-        return "not a file name this system can encode"
-    if len(encoded) > MAX_PATH_BYTES or any(len(part) > MAX_NAME_BYTES for part in encoded.split(b"/")):
-        return f"longer than a file system allows ({MAX_NAME_BYTES} bytes a name, {MAX_PATH_BYTES} in all)"
-    return None
+MAX_DEPTH = 8  # a package's folders nest two deep (programs/, tokenizer/)
 
 
-def _inside(root: Path, path: Path) -> bool:
-    real_root = os.path.realpath(root)
-    return os.path.commonpath([real_root, os.path.realpath(path)]) == real_root
+def _walk(root: Path, problems: dict[str, str]):
+    """os.walk without following links, that descends at most MAX_DEPTH
+    folders: os.walk recurses once per level, so a chain of thousands of
+    folders would end in a RecursionError. A folder past it is a problem."""
+    for folder, dirs, names in os.walk(root, followlinks=False):
+        if len(Path(folder).relative_to(root).parts) >= MAX_DEPTH:
+            for name in dirs:
+                problems[(Path(folder) / name).relative_to(root).as_posix()] = (
+                    f"nested deeper than {MAX_DEPTH} folders; a package's folders nest two deep"
+                )
+            dirs[:] = []
+        yield folder, dirs, names
 
 
 def _package_files(root: Path) -> list[str]:
     """Relative paths of the package's regular files, without following links."""
     out = []
-    for folder, dirs, names in os.walk(root, followlinks=False):
+    for folder, dirs, names in _walk(root, {}):
         for name in names:
             path = Path(folder) / name
             if path.is_file() and not path.is_symlink():
@@ -503,8 +564,8 @@ def _package_files(root: Path) -> list[str]:
 
 def _layout_problems(root: Path) -> dict[str, str]:
     """Every entry of the package that is not a directory or regular file."""
-    problems = {}
-    for folder, dirs, names in os.walk(root, followlinks=False):
+    problems: dict[str, str] = {}
+    for folder, dirs, names in _walk(root, problems):
         for name in dirs + names:
             path = Path(folder) / name
             rel = path.relative_to(root).as_posix()

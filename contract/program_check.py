@@ -6,9 +6,11 @@ integer=True))`) to `sympy.sympify`, which evaluates Python, and resolves
 node targets by walking attributes of `torch`, `operator` and `math`. So a
 program is checked here first, and refused with its method and the
 offending text named, unless:
-- every node calls an operator of an allowed namespace (`torch.ops.aten`,
-  `torch.ops.prims`) that is not one of the few that touch files or raw
-  storage, or one of a fixed set of symbolic-integer helpers;
+- the graph holds at most the nodes its package's layers need, counted
+  before anything else is walked;
+- every node calls one of the exact operator overloads kvexport emits, or
+  a symbolic-integer helper, with arguments the allowlist admits
+  (op_allowlist: layouts, devices, literal allocation sizes);
 - every symbolic expression parses, with Python's `ast` (never `eval`),
   into the small grammar of integer arithmetic torch writes: `Symbol`,
   `Integer`, `Add`, `Mul`, `Min`, `Max`, `FloorDiv`, `Mod`, ... ;
@@ -30,17 +32,8 @@ import keyword
 import re
 from typing import Any, Callable, Iterator
 
-OP_NAMESPACES = ("aten", "prims")
-# aten operators that read or write files, print, or rebind raw storage:
-# a graph has no business calling them.
-DENIED_OPS = frozenset({"from_file", "save", "_print", "set_", "_set_item"})
-# The symbolic-integer helpers torch.export writes as plain targets.
-SYMBOLIC_TARGETS = frozenset(
-    {f"_operator.{name}" for name in ("getitem", "add", "sub", "mul", "floordiv", "mod", "neg", "truediv", "pow",
-                                      "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "not_")}
-    | {f"torch.{name}" for name in ("sym_int", "sym_float", "sym_max", "sym_min", "sym_not", "sym_sqrt", "sym_ite")}
-)
-_OP_TARGET = re.compile(r"torch\.ops\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)")
+from kvexport.contract.op_allowlist import DEFAULT_LIMITS, ProgramLimits, argument_problem, target_problem
+
 SYMBOL_NAME = re.compile(r"[a-z]{1,8}[0-9]{1,9}")
 MAX_EXPR_CHARS = 4096  # torch writes a few hundred at most; bounds the parse
 _ASSUMPTIONS = ("positive", "integer", "nonnegative", "negative", "real", "finite")
@@ -52,19 +45,7 @@ class UnsafeProgram(ValueError):
 
 def check_target(target: Any) -> str | None:
     """None when the node target is allowed, else why not."""
-    if not isinstance(target, str):
-        return f"target is not a string: {target!r:.80}"
-    if target in SYMBOLIC_TARGETS:
-        return None
-    match = _OP_TARGET.fullmatch(target)
-    if match is None:
-        return f"target {target!r:.120} is not an operator (torch.ops.NAMESPACE.OP.OVERLOAD)"
-    namespace, op, _ = match.groups()
-    if namespace not in OP_NAMESPACES:
-        return f"target {target!r:.120}: operator namespace {namespace!r} is not allowed ({', '.join(OP_NAMESPACES)})"
-    if op in DENIED_OPS:
-        return f"target {target!r:.120}: {namespace}.{op} touches files or raw memory and is never allowed"
-    return None
+    return target_problem(target)
 
 
 # ----------------------------------------------------------------- grammar
@@ -175,15 +156,20 @@ def _nodes(program: dict) -> Iterator[dict]:
             yield from (n for n in value if isinstance(n, dict))
 
 
-def check_program(method: str, program: Any) -> list[str]:
+def check_program(method: str, program: Any, limits: ProgramLimits = DEFAULT_LIMITS) -> list[str]:
     """Every violation of the allowlist (and of the little structure read
-    before the deserializer), each naming the method."""
+    before the deserializer), each naming the method. `limits` come from
+    the package's manifest (op_allowlist.program_limits)."""
     where = f"methods.{method}.program"
     if not isinstance(program, dict):
         return [f"{where}: not a JSON object"]
     graph = program.get("graph_module", {}).get("graph") if isinstance(program.get("graph_module"), dict) else None
     if not isinstance(graph, dict) or not isinstance(graph.get("nodes"), list):
         return [f"{where}: no graph_module.graph.nodes"]
+    # torch's deserializer spends about a millisecond and 24 KB a node:
+    # count them before walking anything else.
+    if len(graph["nodes"]) > limits.max_nodes:
+        return [f"{where}: {len(graph['nodes'])} nodes, more than the {limits.max_nodes} its package's layers need"]
     # what the loader reads itself before torch's deserializer sees the program
     problems = [f"{where}: graph_module.graph.nodes[{i}] is not an object" for i, n in enumerate(graph["nodes"]) if not isinstance(n, dict)]
     calls = program["graph_module"].get("module_call_graph")
@@ -194,11 +180,7 @@ def check_program(method: str, program: Any) -> list[str]:
     # module's `def forward(...)` line; every value name must be plain.
     names = {v for k, v in _walk(program["graph_module"]) if k in ("name", "as_name") and isinstance(v, str) and v}
     problems += [f"{where}: value name {n!r:.120} is not a plain identifier" for n in sorted(names) if not _identifier(n)]
-    for node in _nodes(program):
-        if "target" not in node:
-            problems.append(f"{where}: a node has no target")
-        elif (why := check_target(node["target"])) is not None:
-            problems.append(f"{where}: {why}")
+    problems += [f"{where}: {why}" for why in _node_problems(program, limits)]
     for key, value in _walk(program):
         if key == "expr_str":
             try:
@@ -206,6 +188,29 @@ def check_program(method: str, program: Any) -> list[str]:
             except UnsafeProgram as e:
                 problems.append(f"{where}: {e}")
     return problems[:20] + ([f"{where}: ... and {len(problems) - 20} more"] if len(problems) > 20 else [])
+
+
+def _node_problems(program: dict, limits: ProgramLimits) -> Iterator[str]:
+    """Each node's target against the allowlist, then its arguments; nodes
+    of nested graphs count towards the cap too."""
+    count = 0
+    for node in _nodes(program):
+        count += 1
+        if count > limits.max_nodes:
+            yield f"more than {limits.max_nodes} nodes in its graphs, more than its package's layers need"
+            return
+        if "target" not in node:
+            yield "a node has no target"
+        elif (why := target_problem(node["target"])) is not None:
+            yield why
+        else:
+            yield from _argument_problems(node["target"], node.get("inputs"), limits)
+
+
+def _argument_problems(target: str, inputs: Any, limits: ProgramLimits) -> Iterator[str]:
+    for entry in inputs if isinstance(inputs, list) else ():
+        if isinstance(entry, dict) and (why := argument_problem(target, entry.get("name"), entry.get("arg"), limits)):
+            yield why
 
 
 # ------------------------------------------------------- call signatures

@@ -9,7 +9,9 @@ the same order (wider dtypes first, then by name), the same compact JSON
 header padded with spaces to 8 bytes.
 
 `read_header` parses a file's header without mapping or loading it; the
-`TensorRange` it gives says where each tensor's bytes lie."""
+`TensorRange` it gives says where each tensor's bytes lie. `map_tensors`
+gives the tensors of a file the runtime mapped (and hashed from that
+mapping) as views of it, with the checks the safetensors library makes."""
 
 from __future__ import annotations
 
@@ -55,13 +57,26 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorRange], dict[str, str
         head = f.read(8)
         if len(head) < 8:
             raise ValueError(f"{path}: too short for a safetensors file")
-        (length,) = struct.unpack("<Q", head)
-        if length > MAX_HEADER:
-            raise ValueError(f"{path}: header of {length} bytes is larger than safetensors allows")
-        header = json.loads(f.read(length))
+        length = _header_length(head, path)
+        return parse_header(f.read(length), length, path.stat().st_size, path)
+
+
+def _header_length(head: bytes, path: Path) -> int:
+    (length,) = struct.unpack("<Q", head[:8])
+    if length > MAX_HEADER:
+        raise ValueError(f"{path}: its header length is larger than safetensors allows (not a safetensors file?)")
+    return length
+
+
+def parse_header(raw: bytes, length: int, size: int, path: Path) -> tuple[dict[str, TensorRange], dict[str, str]]:
+    """The ranges a header of `length` bytes (`raw`) gives in a file of
+    `size` bytes; each must lie inside the file."""
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: the header is not JSON ({type(e).__name__})") from None
     if not isinstance(header, dict):
         raise ValueError(f"{path}: the header is not a JSON object")
-    size = path.stat().st_size
     metadata = header.pop("__metadata__", None) or {}
     ranges = {}
     for name, entry in header.items():
@@ -72,10 +87,43 @@ def read_header(path: str | Path) -> tuple[dict[str, TensorRange], dict[str, str
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{path}: tensor {name!r} has a malformed header entry ({e})") from None
         nbytes = _numel(shape) * dtype.itemsize
-        if end - begin != nbytes or begin < 0 or 8 + length + end > size:
+        if end - begin != nbytes or begin < 0 or min(shape, default=0) < 0 or 8 + length + end > size:
             raise ValueError(f"{path}: tensor {name!r} lies outside the file or has the wrong length")
         ranges[name] = TensorRange(path, name, dtype, shape, 8 + length + begin, nbytes)
     return ranges, metadata
+
+
+def map_tensors(buffer, path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in `buffer` (a mapping of it),
+    as views of the buffer: no byte is copied, and every method that binds a
+    tensor binds the same memory. The ranges must tile the data, as the
+    safetensors library requires."""
+    if len(buffer) < 8:
+        raise ValueError(f"{path}: too short for a safetensors file")
+    length = _header_length(bytes(buffer[:8]), path)
+    if 8 + length > len(buffer):
+        raise ValueError(f"{path}: the header runs past the end of the file")
+    ranges, _ = parse_header(bytes(buffer[8 : 8 + length]), length, len(buffer), path)
+    _check_tiling(ranges.values(), 8 + length, len(buffer), path)
+    tensors = {}
+    for name, r in ranges.items():
+        if r.nbytes == 0:  # frombuffer refuses an empty view
+            tensors[name] = torch.empty(r.shape, dtype=r.dtype)
+        else:
+            tensors[name] = torch.frombuffer(buffer, dtype=r.dtype, count=_numel(r.shape), offset=r.offset).view(r.shape)
+    return tensors
+
+
+def _check_tiling(ranges, start: int, size: int, path: Path) -> None:
+    """The tensors' bytes follow each other from the header's end to the
+    file's end, with no gap or overlap."""
+    end = start
+    for r in sorted(ranges, key=lambda r: (r.offset, r.nbytes)):
+        if r.offset != end:
+            raise ValueError(f"{path}: the tensors' bytes overlap or leave a gap at byte {end}")
+        end += r.nbytes
+    if end != size:
+        raise ValueError(f"{path}: the tensors take {end - start} bytes, the file holds {size - start} after its header")
 
 
 def _numel(shape: tuple[int, ...]) -> int:

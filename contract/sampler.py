@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvexport.contract.errors import KvexportError
+from kvexport.contract.errors import KvexportError, PackageError
 
 
 def sample_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -50,6 +50,18 @@ def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     index = torch.minimum(index, last_kept)
     drawn = torch.gather(order, -1, index.unsqueeze(-1)).squeeze(-1)
     return torch.where(greedy, torch.argmax(logits, dim=-1), drawn)
+
+
+def check_sampled(method: str, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """A package's sampler is untrusted: an id it returns past the vocabulary
+    would be emitted, decoded and fed back as the next step's token."""
+    bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
+    if bad.numel():
+        raise PackageError(
+            f"methods.{method}: returned token id {int(bad[0])}, outside the vocabulary 0..{vocab_size - 1}: the package's "
+            "sampler is damaged. Re-export the package, or sample on the host (--host-sampler)"
+        )
+    return tokens
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 from torch._export.serde import serialize as serde
 
 from kvexport.contract.errors import PackageError
+from kvexport.contract.op_allowlist import DEFAULT_LIMITS, ProgramLimits
 from kvexport.contract.program_check import UnsafeProgram, check_program, parse_sym_expr
 
 
@@ -77,6 +78,7 @@ def graph_from_json(
     state_dict: dict[str, torch.Tensor],
     constants: dict[str, torch.Tensor],
     method: str = "program",
+    limits: ProgramLimits = DEFAULT_LIMITS,
 ) -> torch.export.ExportedProgram:
     """Rebuilds a program around tensors the caller owns (they are bound, not
     copied). Passing dicts keeps the serializer from ever calling torch.load.
@@ -84,10 +86,11 @@ def graph_from_json(
     Package text never reaches code: the program must pass the allowlist
     (program_check) first, its guards code and node metadata (which the
     deserializer resolves as attribute paths) are dropped, and symbolic
-    sizes are built by program_check's own parser instead of sympify."""
+    sizes are built by program_check's own parser instead of sympify.
+    `limits` are the package's (op_allowlist.program_limits(manifest))."""
     if isinstance(program, (bytes, str)):
         program = parse_program_json(program, method)
-    problems = check_program(method, program)
+    problems = check_program(method, program, limits)
     if problems:
         raise PackageError("the program holds what a package may not:\n  " + "\n  ".join(problems))
     program = _inert(program)

@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvexport.contract.errors import PackageError
 from kvexport.contract import manifest as mf
+from kvexport.contract.display import escape
 from kvexport.contract.package import PackageReader
 from kvexport.contract.torch_compat import parse_program_json
+from kvexport.contract.op_allowlist import program_limits
 from kvexport.contract.program_check import check_program
 from kvexport.contract.step_width import GraphView, StepWidthError, check_step_width, view_of_serialized
+from kvexport.contract.tokenizer_files import tokenizer_problems
 
 
 @dataclass
@@ -50,6 +54,9 @@ def validate_package(path: str | Path) -> Report:
     report.checked.append(f"{contract['name']} v{contract['version']} schema")
     report.violations += reader.verify_checksums()
     report.checked.append(f"{len(manifest['files'])} checksums")
+    if manifest.get("tokenizer"):
+        report.violations += tokenizer_problems(reader)
+        report.checked.append("the tokenizer's files and config")
     if contract_problems:
         return report  # the programs cannot be compared with an invalid manifest
     try:
@@ -72,7 +79,7 @@ def check_method(reader: PackageReader, name: str, entry: dict, header: dict | N
         program = parse_program_json(reader.program_json(name), name)
     except PackageError as e:
         return [str(e)]
-    problems = check_program(name, program)
+    problems = check_program(name, program, program_limits(reader.manifest))
     if problems:
         return problems
     try:
@@ -103,15 +110,17 @@ def weights_layout(reader: PackageReader) -> dict:
     of the file, checked as `weights_header` says."""
     path = reader.weights_path
     where = f"weights.file {path.name}"
+    fd = reader.open_file(reader.weights_file, "weights.file")  # no link followed, as the loader opens it
     try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > MAX_HEADER_BYTES:
-                raise PackageError(f"{where}: a header of {size} bytes is not safetensors")
-            header = json.loads(f.read(size))
-        data_bytes = path.stat().st_size - 8 - size
+        (size,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        if size > MAX_HEADER_BYTES:
+            raise PackageError(f"{where}: a header of {size} bytes is not safetensors")
+        header = json.loads(os.pread(fd, size, 8))
+        data_bytes = os.fstat(fd).st_size - 8 - size
     except (OSError, struct.error, ValueError, RecursionError) as e:
         raise PackageError(f"{where}: not a safetensors file ({type(e).__name__}: {str(e)[:200]})") from None
+    finally:
+        os.close(fd)
     if not isinstance(header, dict):
         raise PackageError(f"{where}: the header is not a JSON object")
     out, spans = {}, []
@@ -224,7 +233,9 @@ def check_program_io(method: str, entry: dict, program: dict, view: GraphView) -
 
 
 def render(report: Report) -> str:
+    """One line per violation: a violation quotes package strings, escaped so
+    that none can forge a line or steer the terminal."""
     if report.ok:
-        return report.summary()
-    return report.summary() + "\n" + "\n".join(f"  - {v}" for v in report.violations)
+        return escape(report.summary())
+    return escape(report.summary()) + "\n" + "\n".join(f"  - {escape(v)}" for v in report.violations)
 

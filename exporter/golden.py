@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from kvexport.contract.chat_template import render_chat
 from kvexport.contract.sections import ReferenceSection
 
 QUESTION = "What is the capital of France?"
@@ -39,10 +40,10 @@ def probe_prompts(tokenizer: Any, vocab_size: int, widest_static: int, room: int
 
     chat = None
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True)
-        if isinstance(chat, dict) or hasattr(chat, "input_ids"):
-            chat = chat["input_ids"]
-        chat = [int(t) for t in chat]
+        # the source's template is text that runs: rendered with bounded work, as the runtime renders it
+        text = render_chat(tokenizer.get_chat_template(), [{"role": "user", "content": QUESTION}],
+                           special_tokens=tokenizer.special_tokens_map, name="the source model's chat template")
+        chat = [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
     elif tokenizer is not None:
         chat = [int(t) for t in tokenizer(QUESTION)["input_ids"]]
     prompts = {"chat": chat or ids(12), "wide": ids(widest_static + 3), "short": ids(3)}

@@ -43,27 +43,28 @@ from typing import Any, Callable, Sequence
 import torch
 
 from kvexport.contract import manifest as mf
-from kvexport.contract import schemes
-from kvexport.contract import torch_compat, trust
+from kvexport.contract import schemes, torch_compat, trust
 from kvexport.contract.errors import ExportError
-from kvexport.contract.package import PackageWriter, check_output
+from kvexport.contract.package import PackageReader, PackageWriter, check_output
 from kvexport.contract.safetensors_io import SafetensorsWriter
 from kvexport.contract.sections import (
     BackendSection, ContractRef, QuantizationSection, ReferenceSection, TokenizerSection, WeightsSection,
 )
+from kvexport.contract.tokenizer_files import tokenizer_problems
 from kvexport.exporter import golden
-from kvexport.partitioners.registry import Backend, BackendOptions, CompileContext, get_backend
 from kvexport.exporter.forwards import CACHE_BUFFER
-from kvexport.exporter.sources.mapped import source_ranges
 from kvexport.exporter.memory import MemoryPlan, PeakSampler, check_budget, parse_size, plan_memory
-from kvexport.exporter.sources.models import LoadedModel, load_model, source_weights
+from kvexport.exporter.output_files import GraphDump
 from kvexport.exporter.plan import MethodPlan, build_forward, contract_metadata, plan_methods
 from kvexport.exporter.quantization.quantize import plain_weights, quantize_model
+from kvexport.exporter.sources.mapped import source_ranges
+from kvexport.exporter.sources.models import LoadedModel, load_model, source_weights
 from kvexport.exporter.spec import ExportSpec
 from kvexport.partitioners.base import Partitioner
+from kvexport.partitioners.registry import Backend, BackendOptions, CompileContext, get_backend
 from kvexport.passes.base import Pass, run_passes
-from kvexport.passes.fuse_linears import FusedWeights, fuse_sibling_linears
 from kvexport.passes.check_step_width import STEP_WIDTH_META, USER_INPUTS_META
+from kvexport.passes.fuse_linears import FusedWeights, fuse_sibling_linears
 from kvexport.passes.reserve_constant_names import ConstantNames, ReserveConstantNamesPass
 
 log = logging.getLogger(__name__)
@@ -311,11 +312,15 @@ def commit(state: ExportState) -> None:
     mf.require(mf.check_manifest({**manifest, "files": {}}), "the exporter built an invalid manifest")
     weights_bytes = sum(t.numel() * t.element_size() for t in state.tensors.values())
     package_bytes = sum(p.stat().st_size for p in writer.files())
-    check = None
-    if state.reference is not None and state.check_package is not None:
-        def check(root: Path) -> None:
+    def check(root: Path) -> None:
+        # what the runtime will refuse of the tokenizer is refused now, not on the user's first prompt
+        problems = tokenizer_problems(PackageReader(root)) if state.tokenizer is not None else []
+        if problems:
+            raise ExportError(f"the source's tokenizer was written as files a package may not hold: {'; '.join(problems[:3])}")
+        if state.reference is not None and state.check_package is not None:
             state.verification = state.check_package(root)
             state.progress(f"verify: {state.verification}")
+
     writer.commit(manifest, check=check)
     package_bytes += (Path(spec.output) / "manifest.json").stat().st_size
     if any("compiled" in entry for entry in state.methods.values()):
@@ -417,26 +422,6 @@ class ExportResult:
     @property
     def size_ratio(self) -> float:
         return self.package_bytes / self.weights_bytes
-
-
-class GraphDump:
-    """Writes each method's graph after each step, when asked to."""
-
-    def __init__(self, directory: str | Path | None):
-        self.directory = Path(directory) if directory else None
-        self.count = 0
-
-    def __call__(self, step: str, programs: dict[str, torch.export.ExportedProgram | torch.fx.GraphModule]) -> None:
-        if self.directory is None:
-            return
-        self.count += 1
-        for name, program in programs.items():
-            path = self.directory / name / f"{self.count}-{step}.txt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if isinstance(program, torch.fx.GraphModule):
-                path.write_text(program.print_readable(print_output=False))
-            else:
-                path.write_text(f"{program.graph_signature}\n\n{program.graph_module.print_readable(print_output=False)}")
 
 
 def compiled_view(program: torch.export.ExportedProgram, passes: list[Pass], method: str) -> torch.fx.GraphModule:

@@ -173,7 +173,7 @@ def find_recipe(name_or_path: str) -> Path:
 def load_recipe(name_or_path: str) -> dict[str, Any]:
     path = find_recipe(name_or_path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = _parse_toml(path.read_text(), str(path))
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"{path}: not valid TOML ({e})") from e
     known = set(ExportSpec.recipe_keys())
@@ -190,15 +190,24 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     key = key.strip().replace("-", "_")
     if not sep or not key:
-        raise SpecError(f"--set {text!r}: expected key=value")
+        raise SpecError(f"--set {text!r:.100}: expected key=value")
     if key not in ExportSpec.recipe_keys():
-        raise SpecError(f"--set {text!r}: unknown key {key!r} (known keys: {', '.join(sorted(ExportSpec.recipe_keys()))})")
+        raise SpecError(f"--set {text!r:.100}: unknown key {key!r:.60} (known keys: {', '.join(sorted(ExportSpec.recipe_keys()))})")
     try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        value = _parse_toml(f"v = {raw.strip()}", f"--set {key}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
-    check_value(key, value, f"--set {text}")
+    check_value(key, value, f"--set {text:.100}")
     return key, value
+
+
+def _parse_toml(text: str, where: str) -> dict[str, Any]:
+    """tomllib recurses once per nesting level, so a value nested thousands
+    deep exhausts the interpreter's stack: a clear error, not a crash."""
+    try:
+        return tomllib.loads(text)
+    except RecursionError:
+        raise SpecError(f"{where}: nested too deep for a recipe value (a list of sizes nests once)") from None
 
 
 # what a recipe value of each ExportSpec field type must be, and how to say so

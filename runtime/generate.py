@@ -31,6 +31,7 @@ def generate(
     Prompt i samples with its own generator seeded `seed + i`, so its tokens
     do not depend on the other prompts."""
     sampling.validate()
+    _check_seed(seed, len(prompts))
     if max_new_tokens < 0:
         raise KvexportError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     if not manager.batches_sessions:
@@ -65,6 +66,18 @@ def generate(
             if session.live:
                 manager.release(session)
     return outputs
+
+
+SEEDS = 1 << 64  # a torch.Generator seed is an unsigned 64-bit integer
+
+
+def _check_seed(seed: int, prompts: int) -> None:
+    """Every seed + i a prompt samples with must be a generator's seed."""
+    last = seed + max(prompts, 1) - 1
+    if not (isinstance(seed, int) and 0 <= seed and last < SEEDS):
+        raise KvexportError(
+            f"--seed must be in 0..{SEEDS - max(prompts, 1)} (prompt i samples with seed + i, a 64-bit seed), got {seed}"
+        )
 
 
 def _check_admission(manager: OffgraphKVManager, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:

@@ -13,18 +13,20 @@ Third parties add a contract by registering an IOManager subclass:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-
 from kvexport.contract import manifest as mf
-from kvexport.contract import torch_compat, trust
+from kvexport.contract import safetensors_io, torch_compat, trust
 from kvexport.contract.errors import PackageError
+from kvexport.contract.op_allowlist import program_limits
 from kvexport.contract.package import PackageReader
 
 log = logging.getLogger(__name__)
@@ -90,21 +92,32 @@ class LoadedPackage:
             self.device = target["device"]
             verify = True  # native code: never load a byte the manifest does not vouch for
         if verify:
-            mf.require(reader.verify_checksums(), f"{reader.path}: the package is damaged")
+            # The weights are hashed from their mapping, below. Compiled archives
+            # (small: no weights) are checked here, so a damaged one is named at
+            # load, and again from the copy that _load_compiled loads.
+            mf.require(reader.verify_checksums(skip=(reader.weights_file,)), f"{reader.path}: the package is damaged")
+        reader.hold_programs()  # every method is built from these bytes, whenever it is first used
         start = time.perf_counter()
-        weights = reader.weights_path
-        try:
-            # safetensors: no pickle; these tensors are the only copy every method binds.
-            self.tensors: dict[str, torch.Tensor] = load_file(weights, device=self.device)
-        except (SafetensorError, OSError) as e:
-            raise PackageError(
-                f"weights.file {weights.name}: not a safetensors file this runtime can read ({type(e).__name__}: {str(e)[:200]})"
-            ) from None
+        self.tensors: dict[str, torch.Tensor] = self._map_weights(reader.weights_file, verify)
         log.debug("loaded %d weight tensors in %.2f s", len(self.tensors), time.perf_counter() - start)
         self.aliases: dict[str, str] = self.manifest.get("weights", {}).get("aliases", {})
         self.state: dict[str, torch.Tensor] = {}  # runtime-owned tensors a program binds (ingraph_kv's cache)
         self._parameters: dict[str, torch.nn.Parameter] = {}
         self._methods: dict[str, Callable] = {}
+
+    def _map_weights(self, rel: str, verify: bool) -> dict[str, torch.Tensor]:
+        """The weights as views of one private mapping of the file, hashed
+        from that mapping: no later rename in the folder changes them.
+        safetensors' header, parsed here: no pickle; these tensors are the
+        only copy every method binds."""
+        mapping = self.reader.map_file(rel, "weights.file", verify)
+        try:
+            tensors = safetensors_io.map_tensors(mapping, Path(rel))
+        except ValueError as e:
+            raise PackageError(f"weights.file {rel}: not a safetensors file this runtime can read ({str(e)[:200]})") from None
+        if self.device != "cpu":
+            tensors = {k: v.to(self.device) for k, v in tensors.items()}
+        return tensors
 
     @property
     def metadata(self) -> dict[str, Any]:
@@ -125,7 +138,9 @@ class LoadedPackage:
             state.update({k: self._tensor(name, k) for k in names["buffers"]})
             constants = {k: self._tensor(name, k) for k in names["constants"]}
             constants.update({k: self._state(name, k) for k in names.get("state", [])})
-            program = torch_compat.graph_from_json(self.reader.program_json(name), state, constants, method=name)
+            program = torch_compat.graph_from_json(
+                self.reader.program_json(name), state, constants, method=name, limits=program_limits(self.manifest)
+            )
             _check_bound_tensors(program, name)
             module = torch_compat.module_of(program, name)
             # The I/O manager builds every input from the manifest's specs;
@@ -160,9 +175,7 @@ class LoadedPackage:
                                f"hold compiled code (backend {self.backend['id']!r} declares none)")
         entry = self.manifest["methods"][name]
         start = time.perf_counter()
-        # checked again now, not only at load: the file is opened minutes later, on first use
-        mf.require(self.reader.verify_checksums(only=[entry["compiled"]]), f"{self.reader.path}: the package is damaged")
-        runner = torch._inductor.aoti_load_package(str(self.reader.file(entry["compiled"])))
+        runner = load_compiled_copy(self.reader, entry["compiled"], f"methods.{name}.compiled")
         names = entry["weights"]
         state = set(names.get("state", []))
         wanted = set(names["parameters"] + names["buffers"] + names["constants"]) | state
@@ -197,7 +210,7 @@ class LoadedPackage:
     def tokenizer(self):
         from kvexport.runtime.text import load_tokenizer
 
-        return load_tokenizer(self.reader.tokenizer_dir)
+        return load_tokenizer(self.reader)
 
 
 def check_output(method: str, value: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -234,6 +247,45 @@ def _check_bound_tensors(program: torch.export.ExportedProgram, method: str) -> 
                 f"methods.{method}: {targets[node.name]!r} is bound as {str(tensor.dtype).removeprefix('torch.')} "
                 f"{list(tensor.shape)}, the program takes {str(want.dtype).removeprefix('torch.')} {list(want.shape)}"
             )
+
+
+def load_compiled_copy(reader: PackageReader, rel: str, what: str):
+    """Loads a compiled archive from a copy hashed as it was made, in a
+    folder only this user can write, never from the package's folder
+    (torch opens the archive by path, more than once when a load fails).
+    torch unpacks the archive under the temp dir it reads from TMPDIR: that
+    is pointed into the same folder for the call, so removing the folder
+    afterwards leaves nothing behind, whether the load succeeded or not;
+    the library, once loaded, needs none of those files."""
+    folder = tempfile.mkdtemp(prefix="kvexport-aoti-")  # mode 0700
+    try:
+        copy = reader.copy_file(rel, Path(folder), what)
+        with _temp_dir(folder):
+            try:
+                return torch._inductor.aoti_load_package(str(copy))
+            except Exception as e:  # torch raises RuntimeError, or anything its archive reader meets
+                raise PackageError(
+                    f"{what}: the compiled library in {rel} does not load ({type(e).__name__}: {str(e)[:300]}); "
+                    f"export the package again on this machine, or use a portable package"
+                ) from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _temp_dir(folder: str) -> Iterator[None]:
+    """TMPDIR (read by torch's C++ loader) and Python's tempfile point at
+    `folder` for the block. Process-wide: loads are not run concurrently."""
+    saved_env, saved_tempdir = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir = folder, folder
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved_tempdir
+        if saved_env is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved_env
 
 
 _ISA_ORDER = ("avx2", "avx512")

@@ -17,7 +17,7 @@ from kvexport.contract.offgraph_kv import ForwardInputs
 from kvexport.runtime.cell_cache import SCRATCH_CELL, Allocator, CellCache, io_buffer, sequence_bit, zeros_allocator
 from kvexport.contract.errors import PackageError, RuntimeRefusal
 from kvexport.runtime.loader import IOManager, LoadedPackage, check_output, register_io_manager
-from kvexport.contract.sampler import sample, sample_argmax
+from kvexport.contract.sampler import check_sampled, sample, sample_argmax
 
 PAD_TOKEN = 0
 
@@ -210,10 +210,11 @@ class OffgraphKVManager(IOManager):
         params = params.to(logits.device)
         rows = (logits.shape[0],)
         if on_device and greedy and self.package.has_method("sample_argmax"):
-            return check_output("sample_argmax", self.package.run("sample_argmax", self._io(logits)), rows, torch.int64)
+            tokens = check_output("sample_argmax", self.package.run("sample_argmax", self._io(logits)), rows, torch.int64)
+            return check_sampled("sample_argmax", tokens, self.vocab_size)
         if on_device and self.package.has_method("sample"):
-            tokens = self.package.run("sample", self._io(logits), self._io(params))
-            return check_output("sample", tokens, rows, torch.int64)
+            tokens = check_output("sample", self.package.run("sample", self._io(logits), self._io(params)), rows, torch.int64)
+            return check_sampled("sample", tokens, self.vocab_size)
         return sample_argmax(logits) if greedy else sample(logits, params)
 
 

@@ -1,11 +1,21 @@
-"""Text in and out of a package: its own tokenizer and chat template."""
+"""Text in and out of a package: its own tokenizer and chat template.
+
+The tokenizer is loaded from a private copy of the package's allowlisted
+tokenizer files (contract/tokenizer_files.py: read once, never through a
+link, matched to the manifest's digests, a config naming no path or code),
+and its chat template is rendered with bounded work, time and output
+(contract/chat_template.py) instead of by transformers."""
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+import os
+import tempfile
 
+from kvexport.contract.chat_template import render_chat
 from kvexport.contract.errors import KvexportError, PackageError
+from kvexport.contract.package import PackageReader
+from kvexport.contract.tokenizer_files import read_tokenizer_files
 
 log = logging.getLogger(__name__)
 
@@ -22,11 +32,19 @@ class Text:
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         if chat and self.has_chat_template:
-            text = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
+            text = self.apply_chat_template([{"role": "user", "content": prompt}])
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return list(self.tokenizer(prompt)["input_ids"])
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The text transformers' apply_chat_template(tokenize=False) gives,
+        rendered within contract.chat_template's limits."""
+        try:
+            template = self.tokenizer.get_chat_template()  # picks "default" of a dict of templates
+        except ValueError as e:
+            raise PackageError(f"tokenizer: no usable chat template ({str(e)[:200]})") from None
+        return render_chat(template, messages, add_generation_prompt=add_generation_prompt,
+                           special_tokens=self.tokenizer.special_tokens_map, name="the package's chat template")
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -50,20 +68,25 @@ class TextStream:
         return new
 
 
-def load_tokenizer(directory: Path | None) -> Text:
-    if directory is None or not directory.is_dir():
+def load_tokenizer(reader: PackageReader) -> Text:
+    """The package's tokenizer, from a private copy (a 0700 folder that is
+    removed afterwards) of exactly the bytes contract.tokenizer_files read
+    and checked: transformers opens nothing of the package's folder, and
+    nothing outside it."""
+    files = read_tokenizer_files(reader)
+    if not files:
         raise KvexportError("this package carries no tokenizer; pass token ids with --prompt-ids instead of --prompt")
-    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
-        raise PackageError(f"tokenizer.dir {directory.name}: holds none of {', '.join(TOKENIZER_FILES)}")
     from transformers import AutoTokenizer  # only the tokenizer; no model code
 
-    try:
-        # a package's tokenizer is data: no code from it, nothing fetched
-        return Text(AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False, local_files_only=True))
-    except (OSError, ValueError) as e:  # what transformers raises for files it cannot read or parse
-        raise PackageError(
-            f"tokenizer.dir {directory.name}: not a tokenizer transformers can load ({type(e).__name__}: {str(e)[:200]})"
-        ) from None
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    with tempfile.TemporaryDirectory(prefix="kvexport-tokenizer-") as private:  # mkdtemp: mode 0700
+        for name, data in files.items():
+            fd = os.open(os.path.join(private, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        try:
+            # a package's tokenizer is data: no code from it, nothing fetched
+            return Text(AutoTokenizer.from_pretrained(private, trust_remote_code=False, local_files_only=True))
+        except (OSError, ValueError, TypeError, KeyError) as e:  # what transformers raises for files it cannot use
+            raise PackageError(
+                f"{reader.path}: tokenizer: not a tokenizer transformers can load ({type(e).__name__}: {str(e)[:200]})"
+            ) from None

@@ -1,10 +1,9 @@
 """Models larger than memory: weights streamed into the package one tensor at
 a time (copied straight from a mapped checkpoint), a checkpoint in another
-dtype converted on disk, the memory budget, remembered digests."""
+dtype converted on disk, the memory budget."""
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -12,7 +11,6 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-import kvexport.contract.package as package_module
 import kvexport.contract.safetensors_io as sio
 import kvexport.exporter.sources.models as models
 from helpers import export_tiny
@@ -148,37 +146,6 @@ def test_report_holds_the_memory_plan_and_peak(checkpoint, tmp_path):
     assert memory["budget_mb"] == pytest.approx(8e9 / 2**20, rel=1e-3)
     assert 0 < memory["plan_private_mb"] and 0 < memory["peak_private_mb"] <= memory["peak_rss_mb"]
     assert all("peak_tree_private_mb" in row for row in result.steps)
-
-
-def test_large_digests_are_remembered_until_the_file_changes(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(package_module, "REMEMBERED_DIGEST_BYTES", 1)
-    monkeypatch.setattr(package_module, "_RACY_NS", 0)
-    path = tmp_path / "weights.bin"
-    path.write_bytes(b"a" * 1000)
-    real = package_module.sha256_file(path)
-    [stamp] = [p for p in (tmp_path / "cache" / "digests").rglob("*") if p.is_file()]
-    stamp.write_text("0" * 64)  # the remembered digest is what a second call returns
-    assert package_module.sha256_file(path) == "0" * 64
-    # the same size and mtime, other bytes: the ctime moved, so it is hashed again
-    st = os.stat(path)
-    path.write_bytes(b"b" * 1000)
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert package_module.sha256_file(path) not in (real, "0" * 64)
-
-
-def test_a_fresh_stamp_is_not_trusted(tmp_path, monkeypatch):
-    """A stamp written within 2 s of the file's change could hide a change
-    in the same clock tick (coarse timestamps): it is ignored."""
-    monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(package_module, "REMEMBERED_DIGEST_BYTES", 1)
-    path = tmp_path / "weights.bin"
-    path.write_bytes(b"a" * 1000)
-    real = package_module.sha256_file(path)
-    for stamp in (tmp_path / "cache" / "digests").rglob("*"):
-        if stamp.is_file():
-            stamp.write_text("0" * 64)
-    assert package_module.sha256_file(path) == real
 
 
 def _tiny_gguf(path, seed=0):

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from kvexport.contract.errors import ModelError
+from kvexport.exporter.sources.gguf_header import check_gguf_header
 from kvexport.contract.safetensors_io import SafetensorsWriter, TensorRange, write_bytes
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,9 @@ def convert_gguf(gguf: Path, out: Path, progress: Callable[[str], None], resolve
         TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint, read_field,
     )
 
-    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # every reader below (transformers' included) trusts the header's counts
+    check_gguf_header(gguf)
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the directory holds plain fp32 weights
     with torch.device("meta"):
@@ -91,7 +94,7 @@ def convert_gguf(gguf: Path, out: Path, progress: Callable[[str], None], resolve
     config.save_pretrained(str(out))
     GenerationConfig.from_model_config(config).save_pretrained(str(out))
     try:
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(str(out))
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False).save_pretrained(str(out))
     except Exception as e:  # a model without a usable tokenizer still exports, taking token ids
         log.warning("%s: no usable tokenizer (%s)", gguf, e)
 

@@ -16,17 +16,22 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
-from kvexport.exporter.sources.architectures import ARCHITECTURES, resolve, tiny_config
-from kvexport.contract.errors import ModelError
+from kvexport.contract.errors import ModelError, PackageError
 from kvexport.contract.package import cache_dir, sha256_file
+from kvexport.exporter.sources.architectures import ARCHITECTURES, resolve, tiny_config
+from kvexport.exporter.sources.gguf_header import check_gguf_header
 
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# A model's own Python code (auto_map) never runs, and transformers never asks
+# on stdin whether it may: without an explicit False it prompts, and a "y"
+# piped in runs the source's .py. Nothing is downloaded either.
+NO_REMOTE_CODE = {"trust_remote_code": False, "local_files_only": True}
 
 
 @dataclass
@@ -101,6 +106,7 @@ def source_weights(source: str, dtype: str) -> SourceWeights:
         if not (converted / "config.json").is_file():
             from gguf import GGUFReader
 
+            check_gguf_header(gguf)  # the reader allocates from the header's counts before it checks them
             values = [int(t.n_elements) for t in GGUFReader(str(gguf)).tensors]
             # the conversion (gguf_convert.py) holds one tensor at a time: gguf's
             # dequantized array, the processor's copy and the fp32 tensor
@@ -109,13 +115,15 @@ def source_weights(source: str, dtype: str) -> SourceWeights:
         path = converted
     elif not path.is_dir() and _REPO_ID.fullmatch(source):
         path = _from_hf_cache(source)
+    if path.is_dir():
+        _refuse_links(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     ranges = []
     for file in files:
         try:
             ranges += read_header(file)[0].values()
-        except (OSError, ValueError) as e:
-            raise ModelError(f"{file}: not a readable safetensors file ({e}); it may be truncated: download it again") from None
+        except (OSError, ValueError):
+            raise _unreadable_safetensors(file) from None
     export = sum(r.nbytes // r.dtype.itemsize * target.itemsize if r.dtype.is_floating_point else r.nbytes for r in ranges)
     matrices = sum(r.nbytes // r.dtype.itemsize for r in ranges if len(r.shape) == 2)
     # _in_export_dtype converts a large foreign part on disk; transformers converts a small one in memory
@@ -163,6 +171,7 @@ def _load_directory(path: Path, dtype: str, origin: dict[str, Any], progress: Ca
 
     if not (path / "config.json").is_file():
         raise ModelError(f"{path}: no config.json; expected a Hugging Face model directory")
+    _refuse_links(path)
     weights = sorted(path.glob("*.safetensors"))
     if not weights:
         pickled = sorted(p.name for p in path.glob("*.bin"))
@@ -170,20 +179,54 @@ def _load_directory(path: Path, dtype: str, origin: dict[str, Any], progress: Ca
         raise ModelError(f"{path}: no *.safetensors weights{hint}")
     _check_config(path / "config.json")
     try:
-        config = AutoConfig.from_pretrained(str(path))
+        config = AutoConfig.from_pretrained(str(path), **NO_REMOTE_CODE)
     except (ValueError, KeyError, TypeError, OSError) as e:
         raise ModelError(f"{path / 'config.json'}: transformers cannot read it ({type(e).__name__}: {e})") from None
     resolve(config, str(path))
     _check_safetensors(weights)
     mapped = _in_export_dtype(path, weights, TORCH_DTYPES[dtype], progress)
-    model = AutoModelForCausalLM.from_pretrained(str(mapped), dtype=TORCH_DTYPES[dtype], use_safetensors=True)
+    model = AutoModelForCausalLM.from_pretrained(str(mapped), dtype=TORCH_DTYPES[dtype], use_safetensors=True, **NO_REMOTE_CODE)
     model.eval()
     weights = sorted(mapped.glob("*.safetensors"))
     files = {p.name: sha256_file(p) for p in sorted(path.iterdir()) if p.is_file()}
     # the directory's name: the digests say which model it is, and an
     # absolute path would make two exports of one model differ by location
     source = {**origin, "path": path.absolute().name, "files": files}
-    return LoadedModel(model, _load_tokenizer(path), {"source": source}, weight_files=weights)
+    tokenizer = _load_tokenizer(path)
+    _check_tokenizer_fits(path, tokenizer, model.config.vocab_size)
+    _check_chat_template(path, tokenizer)
+    return LoadedModel(model, tokenizer, {"source": source}, weight_files=weights)
+
+
+def _check_chat_template(path: Path, tokenizer: Any | None) -> None:
+    """The chat template, rendered once on the reference run's question with
+    bounded work (the package's renderer): one that the sandbox refuses,
+    that fails, or that runs past a limit is the source's fault, and said
+    so, before any tracing."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        return
+    from kvexport.contract.chat_template import render_chat
+    from kvexport.exporter.golden import QUESTION
+
+    try:
+        render_chat(tokenizer.get_chat_template(), [{"role": "user", "content": QUESTION}],
+                    special_tokens=tokenizer.special_tokens_map, name="the chat template")
+    except PackageError as e:
+        raise ModelError(
+            f"{path}: {e}; fix chat_template.jinja (or tokenizer_config.json's chat_template), or remove it to export "
+            "without one"
+        ) from None
+
+
+def _check_tokenizer_fits(path: Path, tokenizer: Any | None, vocab_size: int) -> None:
+    """A token the tokenizer can emit past the model's vocabulary has no
+    embedding row: the reference run would index past the table, and the
+    package would refuse its own tokenizer's ids at every prompt."""
+    if tokenizer is not None and len(tokenizer) > vocab_size:
+        raise ModelError(
+            f"{path}: the tokenizer has {len(tokenizer)} tokens, the model's vocabulary {vocab_size} (config.json "
+            f"vocab_size): ids past {vocab_size - 1} have no embedding. Export the model with the tokenizer it was trained with"
+        )
 
 
 CONVERT_ON_DISK_BYTES = 256 << 20  # more weights than this in another dtype: converted on disk, not in memory
@@ -240,6 +283,48 @@ def _in_export_dtype(path: Path, weights: list[Path], dtype: torch.dtype, progre
     return target
 
 
+SOURCE_LINK_HELP = (
+    "kvexport reads no linked file of a model source into a package (it would carry a file from this machine into "
+    "something you may publish): replace the link with a copy of the file you mean to export"
+)
+
+
+def _refuse_links(path: Path) -> None:
+    """No symlink in a source directory or its subfolders (transformers reads
+    additional_chat_templates/ there), except the Hugging Face cache's own:
+    snapshots/<rev>/<file> -> ../../blobs/<hash>, a regular file inside that
+    repository's blobs/ folder."""
+    blobs = _cache_blobs(path)
+    for entry in _source_entries(path):
+        if entry.is_symlink() and not _in_blobs(entry, blobs):
+            raise ModelError(f"{entry}: a symbolic link. {SOURCE_LINK_HELP}")
+
+
+def _source_entries(path: Path) -> Iterator[Path]:
+    """The entries of a source directory and of its direct subfolders:
+    all that transformers reads of it."""
+    for entry in sorted(path.iterdir()):
+        yield entry
+        if entry.is_dir() and not entry.is_symlink():
+            yield from sorted(entry.iterdir())
+
+
+def _cache_blobs(path: Path) -> Path | None:
+    """The blobs/ folder beside snapshots/, when `path` is a snapshot of a
+    Hugging Face cache; a linked blobs/ folder would let a link lead anywhere."""
+    blobs = path.parent.parent / "blobs"
+    if path.parent.name == "snapshots" and blobs.is_dir() and not blobs.is_symlink():
+        return blobs
+    return None
+
+
+def _in_blobs(entry: Path, blobs: Path | None) -> bool:
+    if blobs is None or not entry.is_file():
+        return False
+    real = os.path.realpath(blobs)
+    return os.path.commonpath([real, os.path.realpath(entry)]) == real
+
+
 def _check_config(config_json: Path) -> None:
     """The config keys support is keyed by, checked before transformers reads
     the file: its own errors name neither the file nor the fix."""
@@ -285,8 +370,14 @@ def _check_safetensors(files: list[Path]) -> None:
         try:
             with safe_open(str(path), "pt") as f:
                 f.keys()
-        except (SafetensorError, OSError) as e:
-            raise ModelError(f"{path}: not a readable safetensors file ({e}); it may be truncated: download it again") from None
+        except (SafetensorError, OSError):
+            raise _unreadable_safetensors(path) from None
+
+
+def _unreadable_safetensors(path: Path) -> ModelError:
+    # the parser's own message may quote the file's first bytes (its header
+    # length, a JSON excerpt): a message never shows a file's contents
+    return ModelError(f"{path}: not a readable safetensors file; it may be truncated: download it again")
 
 
 def _load_tokenizer(path: Path) -> Any | None:
@@ -297,7 +388,7 @@ def _load_tokenizer(path: Path) -> Any | None:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        return AutoTokenizer.from_pretrained(str(path), **NO_REMOTE_CODE)
     except Exception as e:  # a broken tokenizer should not stop the export
         log.warning("could not load the tokenizer in %s (%s); the package will take token ids only", path, e)
         return None
