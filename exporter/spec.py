@@ -248,7 +248,5 @@ def build_spec(
     for text in overrides:
         key, value = parse_override(text)
         values[key] = value
-    if "forward_sizes" in values:
-        values["forward_sizes"] = parse_forward_sizes(values["forward_sizes"])
     spec = ExportSpec(**values, command=list(command or []))
-    return spec.validate()
+    return spec.validate()  # parses forward_sizes, as every other value, in one place

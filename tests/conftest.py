@@ -19,21 +19,33 @@ def session_trust_dir(tmp_path_factory):
         yield path
 
 
+# an aoti package compiles every method (10-15 s each here): its tiny
+# packages take the fewest static sizes that still cover every path (one
+# row, several rows, forward_others above them)
+AOTI_FORWARD_SIZES = "1,4"
+
+
 @pytest.fixture(scope="session")
 def tiny_package(tmp_path_factory):
-    """(model name, backend) -> exported package path (fp32)."""
+    """(model, backend="portable", **recipe) -> a package exported once per
+    test session for that whole recipe (any spec keys: contract, qlinear,
+    forward_sizes, ...), verified as the CLI does. Every test file asks this
+    one factory, so two files that need the same package share it."""
     cache = {}
 
-    def get(model: str, backend: str = "portable"):
-        if (model, backend) not in cache:
+    def get(model: str, backend: str = "portable", **recipe):
+        if backend == "aoti":
+            recipe.setdefault("forward_sizes", AOTI_FORWARD_SIZES)
+        key = (model, backend, tuple(sorted(recipe.items())))
+        if key not in cache:
             out = tmp_path_factory.mktemp(f"{model}-{backend}") / "pkg"
-            cache[model, backend] = export_tiny(model, out, backend=backend).path
-        return cache[model, backend]
+            cache[key] = export_tiny(model, out, backend=backend, **recipe).path
+        return cache[key]
 
     return get
 
 
-@pytest.fixture(scope="session", params=["portable", "aoti"])
+@pytest.fixture(scope="session", params=["portable", pytest.param("aoti", marks=pytest.mark.compile)])
 def backend(request):
     """Every test that runs tokens through a tiny runtime runs on both backends."""
     return request.param

@@ -26,15 +26,10 @@ WINDOWS = {
 
 
 @pytest.fixture(scope="module")
-def family(tmp_path_factory):
-    cache = {}
-
+def family(tiny_package, hf_model):
     def get(name: str):
-        if name not in cache:
-            builtin = f"tiny-{ARCHITECTURES[name].key}"
-            path = export_tiny(builtin, tmp_path_factory.mktemp(ARCHITECTURES[name].key) / "pkg").path
-            cache[name] = (path, load_model(builtin).model)
-        return cache[name]
+        builtin = f"tiny-{ARCHITECTURES[name].key}"
+        return tiny_package(builtin), hf_model(builtin)
 
     return get
 

@@ -261,6 +261,7 @@ def private_tmp(tmp_path, monkeypatch):
     return folder
 
 
+@pytest.mark.compile
 def test_a_compiled_archive_swapped_after_hashing_never_loads(tmp_path, aoti_package, monkeypatch, private_tmp):
     pkg = copy_of(tmp_path, aoti_package)
     archive = pkg / "programs" / "forward_1.aoti.pt2"
@@ -271,6 +272,7 @@ def test_a_compiled_archive_swapped_after_hashing_never_loads(tmp_path, aoti_pac
     assert list(private_tmp.iterdir()) == []
 
 
+@pytest.mark.compile
 def test_a_compiled_library_that_fails_to_load_is_a_package_error(tmp_path, aoti_package, private_tmp):
     """A trusted archive whose library does not load: a PackageError naming
     the method, and nothing torch unpacked is left in the temp dir."""

@@ -21,19 +21,16 @@ from kvexport.contract.validate import validate_package
 SINGLE = ("ingraph_kv", "hf_static")
 
 
-@pytest.fixture(scope="module")
-def package(tmp_path_factory, tiny_package):
-    cache = {}
+# the single-sequence contracts' tiny layout (test_fuzz_packages.py shares these packages)
+SINGLE_SEQUENCE = dict(use_offgraph_kv_cache=False, max_step_tokens=16, max_context_len=128)
 
+
+@pytest.fixture(scope="module")
+def package(tiny_package):
     def get(contract: str, model: str = "tiny-llama"):
         if contract == "offgraph_kv":
             return tiny_package(model)
-        if (contract, model) not in cache:
-            out = tmp_path_factory.mktemp(f"{contract}-{model}") / "pkg"
-            cache[contract, model] = export_tiny(
-                model, out, use_offgraph_kv_cache=False, contract=contract, max_step_tokens=16, max_context_len=128
-            ).path
-        return cache[contract, model]
+        return tiny_package(model, contract=contract, **SINGLE_SEQUENCE)
 
     return get
 

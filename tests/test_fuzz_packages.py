@@ -453,14 +453,11 @@ def _where(e: BaseException) -> str:
 
 
 @pytest.fixture(scope="module")
-def sources(tiny_package, tmp_path_factory) -> list[Path]:
-    """One good package per contract: offgraph_kv, ingraph_kv, hf_static."""
-    out = [tiny_package("tiny-llama")]
-    for contract in ("ingraph_kv", "hf_static"):
-        target = tmp_path_factory.mktemp(f"fuzz-{contract}") / "pkg"
-        flags = dict(use_offgraph_kv_cache=False, contract=contract, max_step_tokens=16, max_context_len=128)
-        out.append(export_tiny("tiny-llama", target, **flags).path)
-    return out
+def sources(tiny_package) -> list[Path]:
+    """One good package per contract: offgraph_kv, ingraph_kv, hf_static
+    (the packages test_contracts.py exports too)."""
+    single = dict(use_offgraph_kv_cache=False, max_step_tokens=16, max_context_len=128)
+    return [tiny_package("tiny-llama")] + [tiny_package("tiny-llama", contract=c, **single) for c in ("ingraph_kv", "hf_static")]
 
 
 def test_mutated_packages_are_refused_cleanly(tmp_path, sources, monkeypatch):

@@ -15,7 +15,7 @@ from kvexport.contract.errors import ExportError
 from kvexport.partitioners.aoti.kernels import build
 from kvexport.partitioners.aoti.kernels.signatures import KERNELS
 
-pytestmark = pytest.mark.skipif(not build.supported(), reason="kvexport's kernels need x86 with AVX2 or AVX-512")
+pytestmark = [pytest.mark.compile, pytest.mark.skipif(not build.supported(), reason="kvexport's kernels need x86 with AVX2 or AVX-512")]
 
 
 def runnable_isas() -> list[str]:

@@ -26,17 +26,9 @@ SCHEMES = ("8w", "4w", "8da4w")
 
 
 @pytest.fixture(scope="module")
-def quantized(tmp_path_factory):
-    cache = {}
-
+def quantized(tiny_package):
     def get(model: str, scheme: str, backend: str = "portable", **extra):
-        if backend == "aoti":  # two static sizes: the packed kernels make each compiled method slow to build
-            extra.setdefault("forward_sizes", "1,4")
-        key = (model, scheme, backend, tuple(sorted(extra.items())))
-        if key not in cache:
-            out = tmp_path_factory.mktemp(f"{model}-{scheme}-{backend}") / "pkg"
-            cache[key] = export_tiny(model, out, qlinear=scheme, qembedding="8w", backend=backend, **extra).path
-        return cache[key]
+        return tiny_package(model, backend, qlinear=scheme, qembedding="8w", **extra)
 
     return get
 
@@ -47,7 +39,7 @@ def quantized(tmp_path_factory):
 @pytest.mark.parametrize(
     "model,backend,scheme",
     [(m, "portable", s) for s in SCHEMES for m in ("tiny-llama", "tiny-qwen2")]
-    + [("tiny-llama", "aoti", "4w"), ("tiny-llama", "aoti", "8da4w")],
+    + [pytest.param("tiny-llama", "aoti", s, marks=pytest.mark.compile) for s in ("4w", "8da4w")],
 )
 def test_tokens_equal_the_eagerly_quantized_model(quantized, model, scheme, backend):
     eager = load_model(model).model
@@ -167,6 +159,7 @@ def test_bad_quantization_flags(tmp_path, flags, message):
         export_tiny("tiny-llama", tmp_path / "pkg", **flags)
 
 
+@pytest.mark.compile
 def test_packed_and_unpacked_four_bits_give_the_same_tokens_on_aoti(quantized, tmp_path):
     from test_packed_quant import test_packed_and_unpacked_four_bits_give_the_same_tokens as same_tokens
 

@@ -21,6 +21,8 @@ from kvexport.contract.validate import validate_package
 
 REFUSED = "holds native code compiled by someone else"
 
+pytestmark = pytest.mark.compile  # the trust decision is about an aoti package's native code
+
 
 @pytest.fixture(scope="module")
 def aoti_package(tiny_package):
@@ -94,7 +96,7 @@ def swapped_copy(tmp_path, source):
     target = tmp_path / "pkg"
     shutil.copytree(source, target)
     rel = "programs/forward_1.aoti.pt2"
-    shutil.copyfile(target / "programs" / "forward_2.aoti.pt2", target / rel)
+    shutil.copyfile(target / "programs" / "forward_4.aoti.pt2", target / rel)
     manifest = json.loads((target / "manifest.json").read_text())
     manifest["files"][rel] = {"sha256": sha256_file(target / rel), "bytes": (target / rel).stat().st_size}
     (target / "manifest.json").write_text(dump_manifest(manifest))
