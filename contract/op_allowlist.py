@@ -77,8 +77,21 @@ _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
 )
 
-ALLOWED_OPS: dict[str, str] = {f"torch.ops.aten.{op}": reason for reason, ops in _GROUPS for op in ops}
-assert len(ALLOWED_OPS) == sum(len(ops) for _, ops in _GROUPS), "an overload is listed twice"
+# prims the backends' product passes write into stored programs (the aoti
+# backend's fused products over quantized weights pin their input's layout)
+_PRIMS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    (
+        "a layout hint: the eager kernel clones its input and views the clone with the given literal stride "
+        "through as_strided, which checks the view against the clone's storage (LITERAL_SIZE_ARGS)",
+        ("inductor_force_stride_order.default",),
+    ),
+)
+
+ALLOWED_OPS: dict[str, str] = {
+    **{f"torch.ops.aten.{op}": reason for reason, ops in _GROUPS for op in ops},
+    **{f"torch.ops.prims.{op}": reason for reason, ops in _PRIMS for op in ops},
+}
+assert len(ALLOWED_OPS) == sum(len(ops) for _, ops in _GROUPS + _PRIMS), "an overload is listed twice"
 
 # The symbolic-integer helpers torch.export writes as plain targets: Python
 # arithmetic on sizes, never on memory.
@@ -95,6 +108,7 @@ LITERAL_SIZE_ARGS: dict[str, tuple[str, ...]] = {
     "torch.ops.aten.arange.default": ("end",),
     "torch.ops.aten.constant_pad_nd.default": ("pad",),
     "torch.ops.aten.expand.default": ("size",),
+    "torch.ops.prims.inductor_force_stride_order.default": ("stride",),
 }
 _STRIDED = 7  # torch._export.serde.schema.Layout.Strided; sparse and mkldnn layouts skip the dense invariants
 _DEVICES = ("cpu", "cuda")  # a meta tensor has no storage to read an output from

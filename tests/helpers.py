@@ -14,7 +14,8 @@ TINY = ("tiny-llama", "tiny-qwen2")
 TINY_LAYOUT = dict(forward_sizes="1,2,4,8", max_step_tokens=24, max_cells=512)
 
 
-def export_tiny(model: str, out, *, check_package=_check_package, transform_passes=(), dump_graphs=None, **overrides):
+def export_tiny(model: str, out, *, check_package=_check_package, transform_passes=(), partitioners=None, dump_graphs=None,
+                **overrides):
     """Exports as the CLI does: the package must reproduce its reference
     tokens (unless verify=False) before it is written."""
     flags = dict(model=model, output=str(out), use_offgraph_kv_cache=True, **TINY_LAYOUT)
@@ -22,7 +23,7 @@ def export_tiny(model: str, out, *, check_package=_check_package, transform_pass
         flags["row_kernel"] = "on"  # every token test of an aoti package runs the row kernel, on any machine
     flags.update(overrides)
     return export_package(build_spec(flags=flags), progress=lambda message: None, check_package=check_package,
-                          transform_passes=transform_passes, dump_graphs=dump_graphs)
+                          transform_passes=transform_passes, partitioners=partitioners, dump_graphs=dump_graphs)
 
 
 def prompt_of(length: int, seed: int, vocab: int = 1031) -> list[int]:

@@ -67,6 +67,8 @@ def off_the_list(package: Path) -> set[str]:
 # --------------------------------------------------------------- the list
 def test_every_listed_overload_exists():
     """A typo on the list would be a hole nobody sees."""
+    import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
+
     for target in ALLOWED_OPS:
         _, _, namespace, op, overload = target.split(".")
         assert isinstance(getattr(getattr(getattr(torch.ops, namespace), op), overload), torch._ops.OpOverload), target
@@ -76,9 +78,16 @@ def test_the_exporter_emits_only_listed_overloads(tiny_package, tmp_path):
     """Fails when the exporter starts emitting an overload not on the list
     (the session's packages and the single-sequence contracts; the slow
     test below covers every family and scheme)."""
+    from kvexport.partitioners.aoti.partitioner import AotiPartitioner
+
     packages = [tiny_package("tiny-llama"), tiny_package("tiny-qwen2")]
     for name in ("ingraph_kv", "hf_static"):
         packages.append(export_tiny("tiny-llama", tmp_path / name, verify=False, **VARIANTS[name]).path)
+    # what the aoti backend's passes store (its fused products over quantized
+    # weights), without compiling: its partitioner on the portable pipeline
+    aoti = [AotiPartitioner("cpu", kernel_rows=(1, 2, 4, 8))]
+    packages.append(export_tiny("tiny-llama", tmp_path / "aoti-4w", verify=False, qlinear="4w", qembedding="8w",
+                                partitioners=aoti).path)
     for package in packages:
         assert not off_the_list(package), f"{package}: add these to contract/op_allowlist.py with the reason each is safe"
 
