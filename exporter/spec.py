@@ -119,7 +119,8 @@ class ExportSpec:
             parse_size(self.max_memory)
         if not _is_int(self.compile_workers) or self.compile_workers < 0:
             raise SpecError(f"--compile-workers must be >= 0 (0: one per core), got {self.compile_workers!r}")
-        backend.check_spec(self)
+        for other in backend_ids():  # each backend checks the values of the options it owns, chosen or not
+            get_backend(other).check_spec(self)
         return self
 
 

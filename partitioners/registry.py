@@ -58,9 +58,10 @@ def _no_check(spec: Any) -> None:
 
 @dataclass
 class Backend:
-    """One backend. `check_spec` refuses options it cannot honour (cheap: it
-    runs while the spec is validated); `configure` decides its options once
-    per export (it may measure the machine); the rest take those options."""
+    """One backend. `check_spec` refuses bad values of the options it owns
+    (cheap: it runs while any spec is validated, so a typo fails whichever
+    backend is chosen); `configure` decides its options once per export (it
+    may measure the machine); the rest take those options."""
 
     id: str
     description: str = ""

@@ -145,7 +145,8 @@ def test_a_method_compiles_to_identical_bytes(tmp_path, aoti_package):
     manifest = json.loads((aoti_package / "manifest.json").read_text())
     entry, rows = manifest["methods"]["forward_4"], tuple(manifest["backend"]["target"]["fp32_kernel_rows"])
     job = CompileJob("forward_4", aoti_package / entry["program"], aoti_package / "weights.safetensors",
-                     entry["weights"], manifest["weights"].get("aliases", {}), entry["inputs"], tmp_path / "again.pt2",
+                     entry["weights"], manifest["weights"].get("aliases", {}), entry["inputs"], tmp_path / entry["compiled"],
                      "cpu", tuple(entry.get("state", [])), rows, archive_dir() if rows else None)
+    job.output.parent.mkdir()
     compile_one(job)
-    assert (tmp_path / "again.pt2").read_bytes() == (aoti_package / entry["compiled"]).read_bytes()
+    assert job.output.read_bytes() == (aoti_package / entry["compiled"]).read_bytes()

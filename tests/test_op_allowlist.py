@@ -74,29 +74,25 @@ def test_every_listed_overload_exists():
         assert isinstance(getattr(getattr(getattr(torch.ops, namespace), op), overload), torch._ops.OpOverload), target
 
 
-def test_the_exporter_emits_only_listed_overloads(tiny_package, tmp_path):
-    """Fails when the exporter starts emitting an overload not on the list
-    (the session's packages and the single-sequence contracts; the slow
-    test below covers every family and scheme)."""
+def test_the_aoti_backends_stored_programs_use_only_listed_overloads(tmp_path):
+    """What the aoti backend's passes store (its fused products over
+    quantized weights), without compiling: its partitioner on the portable
+    pipeline."""
     from kvexport.partitioners.aoti.partitioner import AotiPartitioner
 
-    packages = [tiny_package("tiny-llama"), tiny_package("tiny-qwen2")]
-    for name in ("ingraph_kv", "hf_static"):
-        packages.append(export_tiny("tiny-llama", tmp_path / name, verify=False, **VARIANTS[name]).path)
-    # what the aoti backend's passes store (its fused products over quantized
-    # weights), without compiling: its partitioner on the portable pipeline
     aoti = [AotiPartitioner("cpu", kernel_rows=(1, 2, 4, 8))]
-    packages.append(export_tiny("tiny-llama", tmp_path / "aoti-4w", verify=False, qlinear="4w", qembedding="8w",
-                                partitioners=aoti).path)
-    for package in packages:
-        assert not off_the_list(package), f"{package}: add these to contract/op_allowlist.py with the reason each is safe"
+    package = export_tiny("tiny-llama", tmp_path / "aoti-4w", verify=False, qlinear="4w", qembedding="8w",
+                          partitioners=aoti).path
+    assert not off_the_list(package), "add these to contract/op_allowlist.py with the reason each is safe"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("family, variant", [(f, None) for f in FAMILIES] + [("tiny-llama", v) for v in VARIANTS])
-def test_every_family_and_scheme_emits_only_listed_overloads(tmp_path, family, variant):
-    package = export_tiny(family, tmp_path / "pkg", verify=False, **VARIANTS.get(variant, {})).path
-    assert not off_the_list(package)
+def test_every_family_and_scheme_emits_only_listed_overloads(tiny_package, family, variant):
+    """Fails when the exporter starts emitting an overload not on the list.
+    The packages are the session's (test_architectures, test_contracts and
+    test_quantization export the same recipes), so this costs little."""
+    package = tiny_package(family, **VARIANTS.get(variant, {}))
+    assert not off_the_list(package), f"{package}: add these to contract/op_allowlist.py with the reason each is safe"
 
 
 def test_limits_follow_the_manifest(tiny_package):

@@ -12,15 +12,18 @@ from kvexport.runtime.verify import hf_logits, method_logits
 
 
 @pytest.mark.parametrize("model", TINY)
-@pytest.mark.parametrize("method,width", [("forward_1", 1), ("forward_2", 2), ("forward_4", 4), ("forward_8", 8), ("forward_others", 13)])
 @pytest.mark.parametrize("prefix_len", [0, 11])
-def test_forward_logits_match_hf(model, method, width, prefix_len, tiny_runtime, hf_model):
+def test_forward_logits_match_hf(model, prefix_len, tiny_runtime, hf_model):
+    """Every method of the package (its static sizes and forward_others),
+    after an empty and an 11-token history."""
+    runtime = tiny_runtime(model)
     prefix = prompt_of(prefix_len, seed=1)
-    tokens = prompt_of(width, seed=2)
-    got = method_logits(tiny_runtime(model), method, prefix, tokens)
-    want = hf_logits(hf_model(model), prefix + tokens)[prefix_len:]
-    assert got.shape == want.shape
-    assert (got - want).abs().max().item() <= 1e-4
+    for method, width in [(f"forward_{n}", n) for n in runtime.static_sizes] + [("forward_others", 13)]:
+        tokens = prompt_of(width, seed=2)
+        got = method_logits(runtime, method, prefix, tokens)
+        want = hf_logits(hf_model(model), prefix + tokens)[prefix_len:]
+        assert got.shape == want.shape, method
+        assert (got - want).abs().max().item() <= 1e-4, method
 
 
 @pytest.mark.parametrize("model", TINY)
