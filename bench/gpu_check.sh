@@ -14,7 +14,7 @@ run() { python -m kvexport.cli.main "$@"; }
 check() {  # model package
 python - "$1" "$2" <<'PY'
 import json, sys, time, torch
-from kvexport.exporter.models import load_model
+from kvexport.exporter.sources.models import load_model
 from kvexport.runtime.verify import verify
 from kvexport.runtime import generate, load
 model, package = sys.argv[1], sys.argv[2]
