@@ -388,5 +388,34 @@ def generate(
             click.echo(f"--- output {i} ---\n{escape_lines(body)}")
 
 
+# ------------------------------------------------------------------- serve
+@main.command()
+@click.argument("package", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0 exposes the server to the network).")
+@click.option("--port", type=int, default=8000, show_default=True, help="Port to listen on (0 picks a free one, printed at start).")
+@click.option("--api-key", envvar="KVEXPORT_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1/* (or set KVEXPORT_API_KEY).")
+@click.option("--model-name", help="The model id /v1/models reports (default: the package folder's name).")
+@click.option("--max-sessions", type=int, default=32, show_default=True, help="Choices generated at once (each a session of the cell pool; at most 63).")
+@click.option("--max-queue", type=int, default=256, show_default=True, help="Requests that may wait for a session; past it, 429.")
+@click.option("--max-step-tokens", type=int, default=256, show_default=True, help="Tokens one engine step packs: every decoding session's next token, then slices of waiting prompts (chunked prefill).")
+@click.option("--prefix-cache-cells", type=int, help="Cells the prefix cache may hold alone (0 turns it off; default: whatever the pool spares, evicted least recently used).")
+@click.option("--max-cells", type=int, help="Cells the runtime allocates at most (default: the package's).")
+@click.option("--max-body-bytes", type=int, default=4 << 20, show_default=True, help="Largest request body; past it, 413.")
+@click.option("--grace-seconds", type=float, default=10.0, show_default=True, help="On SIGTERM: how long in-flight requests may finish before they are cancelled.")
+@click.option("--verify/--no-verify", default=True, show_default=True, help="Rerun the package's stored probes before reporting ready.")
+@click.option("--trust-native-code", is_flag=True, help="Run an aoti package's native code though it is not in the trust store.")
+@click.option("--expect-digest", metavar="DIGEST", help="Serve only the package whose manifest digest is DIGEST (and trust its native code).")
+def serve(package: Path, host: str, port: int, **options) -> None:
+    """Serve PACKAGE over an OpenAI-compatible HTTP API (POST
+    /v1/chat/completions and /v1/completions, GET /v1/models, /health,
+    /metrics), batching every request through one cell pool."""
+    from kvexport.runtime.server import serve as run_server
+
+    def listening(url: str) -> None:
+        click.echo(f"kvexport: serving {escape_lines(str(package))} on {url} (loading; GET /health answers 200 when ready)", err=True)
+
+    run_server(package, host, port, on_listening=listening, **options)
+
+
 if __name__ == "__main__":
     main()

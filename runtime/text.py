@@ -32,9 +32,13 @@ class Text:
 
     def encode(self, prompt: str, chat: bool = True) -> list[int]:
         if chat and self.has_chat_template:
-            text = self.apply_chat_template([{"role": "user", "content": prompt}])
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return self.encode_chat([{"role": "user", "content": prompt}])
         return list(self.tokenizer(prompt)["input_ids"])
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """A conversation as the prompt the model continues as the assistant."""
+        text = self.apply_chat_template(messages)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The text transformers' apply_chat_template(tokenize=False) gives,
@@ -52,20 +56,53 @@ class Text:
 
 class TextStream:
     """Turns a growing list of ids into newly completed text, holding back a
-    partial UTF-8 character until its bytes are all there."""
+    partial UTF-8 character until its bytes are all there.
+
+    Each push decodes a short window (the ids since the last text shown, and
+    the one before them, which fixes a tokenizer's leading space), not the
+    whole list: the cost of a token does not grow with the output."""
 
     def __init__(self, text: Text):
         self.text = text
         self.ids: list[int] = []
-        self.shown = 0
+        self.prefix = 0  # the window starts here
+        self.read = 0  # ids before this one have been shown
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        full = self.text.decode(self.ids)
-        if full.endswith("\ufffd"):
+        shown = self.text.decode(self.ids[self.prefix : self.read])
+        window = self.text.decode(self.ids[self.prefix :])
+        if window.endswith("\ufffd") or len(window) <= len(shown):
             return ""
-        new, self.shown = full[self.shown :], len(full)
-        return new
+        self.prefix, self.read = self.read, len(self.ids)
+        return window[len(shown) :]
+
+
+class StopMatcher:
+    """Cuts generated text at the first of `stops`, which may span tokens:
+    text that could still be the start of a stop string is held back."""
+
+    def __init__(self, stops: tuple[str, ...] = ()):
+        self.stops = tuple(s for s in stops if s)
+        self.held = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to show, whether a stop string ended the output)."""
+        if not self.stops:
+            return text, False
+        buffer = self.held + text
+        hits = [i for i in (buffer.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buffer[: min(hits)], True
+        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(buffer)), 0, -1)
+                    if buffer.endswith(s[:k])), default=0)
+        self.held = buffer[len(buffer) - keep :]
+        return buffer[: len(buffer) - keep], False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
 
 
 def load_tokenizer(reader: PackageReader) -> Text:

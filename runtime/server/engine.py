@@ -1,0 +1,473 @@
+"""The serving engine: one thread owns the runtime and its cell pool and
+steps every running request together (continuous batching).
+
+Each step packs every decoding choice's next token and slices of waiting
+prompts (chunked prefill under a per-step token budget), runs them as one
+`OffgraphKVManager.step`, samples every row that is due in one call, and
+hands each request its new text through a sink. Requests join between steps,
+and a finished or cancelled one frees its cells at once (or leaves them to
+the prefix cache). The HTTP side talks to the engine only through
+`submit` and `cancel`, which never wait for a step; the engine never waits
+for a client (a sink only queues).
+
+Admission reserves the worst case: a request starts only when the free
+cells, less what running requests may still claim, hold its prompt and its
+`max_tokens` on every choice. So a step is never refused for cells, and a
+step that fails for another reason fails only the requests in it.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvexport.contract.errors import KvexportError
+from kvexport.contract.sampler import SamplingConfig, params_row
+from kvexport.runtime.cell_cache import MAX_SEQUENCES
+from kvexport.runtime.offgraph import OffgraphKVManager, Session, StepEntry, check_token_ids
+from kvexport.runtime.server.prefix_cache import Holder, PrefixCache
+from kvexport.runtime.text import StopMatcher, Text, TextStream
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(KvexportError):
+    """A request this server can never run as asked (a client's error: HTTP 400)."""
+
+
+class QueueFull(KvexportError):
+    """More requests wait than the queue holds (HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingConfig = SamplingConfig()
+    seed: int = 0  # choice i samples with seed + i
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely ones'
+    ignore_eos: bool = False
+
+
+# ------------------------------------------------------------------ events
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens and their log-probabilities
+
+
+@dataclass
+class Delta:
+    """New text of one choice (text may be empty while a stop string could
+    still begin; `logprobs` holds one entry per token generated since)."""
+
+    choice: int
+    text: str
+    tokens: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Finished:
+    choice: int
+    reason: str  # "stop" (EOS or a stop string) or "length"
+
+
+@dataclass
+class Done:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Failed:
+    message: str
+
+
+Event = Delta | Finished | Done | Failed
+Sink = Callable[[Event], None]
+
+
+# ------------------------------------------------------------------ state
+@dataclass
+class _Choice:
+    index: int
+    holder: Holder
+    generator: torch.Generator
+    stream: TextStream | None
+    matcher: StopMatcher
+    output: list[int] = field(default_factory=list)
+    pending: int | None = None  # the sampled token the next step feeds
+    finished: bool = False
+    last_token_time: float = 0.0
+
+    @property
+    def session(self) -> Session:
+        return self.holder.session
+
+
+@dataclass(eq=False)
+class _Job:
+    id: int
+    request: GenerationRequest
+    sink: Sink
+    arrival: float
+    choices: list[_Choice] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens in the cache (cloned or computed)
+    cached_tokens: int = 0
+    cancelled: bool = False
+    started: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.started and self.prefilled < len(self.request.prompt)
+
+    def remaining_cells(self) -> int:
+        """The most cells this job may still claim: the rest of its prompt and
+        every choice's tokens still to be stepped (a last token is never stepped)."""
+        rest = len(self.request.prompt) - self.prefilled
+        per_choice = self.request.max_tokens - 1
+        if not self.choices or self.prefilling:
+            return rest + self.request.n * per_choice
+        return sum(per_choice - max(len(c.output) - 1, 0) for c in self.choices if not c.finished)
+
+
+class Handle:
+    """What submit returns: cancel it when the client goes away."""
+
+    def __init__(self, job: _Job):
+        self._job = job
+
+
+@dataclass
+class StepStats:
+    """Timings of one engine iteration, for the metrics."""
+
+    tokens: int
+    decodes: int
+    model_seconds: float  # the step and sampling
+    own_seconds: float  # scheduling, detokenizing, stop strings, events
+
+
+class Engine:
+    def __init__(
+        self,
+        manager: OffgraphKVManager,
+        text: Text | None,
+        max_sessions: int = 32,
+        max_queue: int = 256,
+        max_step_tokens: int = 256,
+        prefix_cache_cells: int | None = None,
+        on_step: Callable[[StepStats], None] | None = None,
+        on_token_times: Callable[[float | None, float | None], None] | None = None,
+    ):
+        self.check_options(max_sessions, max_queue, max_step_tokens, prefix_cache_cells)
+        self.manager = manager
+        self.text = text
+        self.max_sessions = max_sessions
+        self.max_queue = max_queue
+        self.max_step_tokens = max_step_tokens
+        self.prefix = PrefixCache(manager, prefix_cache_cells)
+        self.on_step = on_step
+        self.on_token_times = on_token_times  # (time to first token, inter-token gap), seconds
+        self.context = manager.cache.max_context_len
+        self._ids = itertools.count(1)
+        self.cancelled = 0  # requests cancelled before they finished (their clients left)
+        self._lock = threading.Condition()
+        self._inbox: list[_Job] = []
+        self._cancels: list[_Job] = []
+        self._stopping = False
+        self._waiting: collections.deque[_Job] = collections.deque()
+        self._running: list[_Job] = []
+        self._thread = threading.Thread(target=self._loop, name="kvexport-engine", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def check_options(max_sessions: int, max_queue: int, max_step_tokens: int, prefix_cache_cells: int | None) -> None:
+        if not 1 <= max_sessions < MAX_SEQUENCES:
+            raise KvexportError(f"--max-sessions must be in 1..{MAX_SEQUENCES - 1} (the cell cache holds {MAX_SEQUENCES} "
+                                f"sequences), got {max_sessions}")
+        if max_queue < 1:
+            raise KvexportError(f"--max-queue must be at least 1, got {max_queue}")
+        if max_step_tokens < 1:
+            raise KvexportError(f"--max-step-tokens must be at least 1, got {max_step_tokens}")
+        if prefix_cache_cells is not None and prefix_cache_cells < 0:
+            raise KvexportError(f"--prefix-cache-cells must be >= 0 (0 turns the prefix cache off), got {prefix_cache_cells}")
+
+    # ------------------------------------------------------- any thread
+    def check(self, request: GenerationRequest) -> None:
+        """Refuses a request that could never run, naming the limit."""
+        prompt = request.prompt
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        try:
+            check_token_ids(prompt, self.manager.vocab_size, "the prompt")
+        except KvexportError as e:
+            raise RequestError(str(e)) from None
+        if request.max_tokens < 1:
+            raise RequestError(f"max_tokens must be at least 1, got {request.max_tokens}")
+        if len(prompt) + request.max_tokens > self.context:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens; with max_tokens {request.max_tokens} it needs "
+                f"{len(prompt) + request.max_tokens} positions, past this model's context of {self.context} tokens"
+            )
+        if not 1 <= request.n <= self.max_sessions:
+            raise RequestError(f"n must be in 1..{self.max_sessions} (this server's --max-sessions), got {request.n}")
+        cells = len(prompt) + request.n * (request.max_tokens - 1)
+        pool = self.manager.cache.max_cells - 1
+        if cells > pool:
+            raise RequestError(f"the request needs up to {cells} cells, more than this server's pool of {pool}: lower max_tokens or n")
+
+    def submit(self, request: GenerationRequest, sink: Sink) -> Handle:
+        self.check(request)
+        with self._lock:
+            if self._stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self._inbox) + len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{self.max_queue} requests are waiting (this server's --max-queue); retry shortly")
+            job = _Job(next(self._ids), request, sink, time.perf_counter())
+            self._inbox.append(job)
+            self._lock.notify()
+        return Handle(job)
+
+    def cancel(self, handle: Handle) -> None:
+        with self._lock:
+            self._cancels.append(handle._job)
+            self._lock.notify()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Cancels whatever still runs and stops the loop."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        self._thread.join(timeout)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._inbox) + len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def cells_in_use(self) -> int:
+        cache = self.manager.cache
+        return cache.max_cells - 1 - cache.free_cells
+
+    # ------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._inbox or self._cancels or self._running or self._waiting or self._stopping):
+                    self._lock.wait()
+                arrived, self._inbox = self._inbox, []
+                cancels, self._cancels = self._cancels, []
+                stopping = self._stopping
+            self._waiting.extend(arrived)
+            for job in cancels:
+                self._cancel(job)
+            if stopping:
+                for job in list(self._running) + list(self._waiting):
+                    self._fail(job, "the server is shutting down")
+                return
+            try:
+                self._admit()
+                if self._running:
+                    self._step()
+            except Exception:  # a bug: fail every request rather than hang them
+                log.exception("the engine failed; failing every request")
+                for job in list(self._running) + list(self._waiting):
+                    self._fail(job, "internal error in the engine")
+
+    def _cancel(self, job: _Job) -> None:
+        job.cancelled = True
+        if job in self._running:
+            self._close(job)
+        elif job in self._waiting:
+            self._waiting.remove(job)
+        else:
+            return  # it had finished
+        self.cancelled += 1
+
+    def _fail(self, job: _Job, message: str) -> None:
+        if job in self._waiting:
+            self._waiting.remove(job)
+        if job in self._running:
+            self._close(job)
+        job.sink(Failed(message))
+
+    def _close(self, job: _Job) -> None:
+        """Frees a job's sessions that are still live (a cancelled or failed
+        job's cells are released, not cached: its tokens may be partial)."""
+        self._running.remove(job)
+        for choice in job.choices:
+            if choice.session.live:
+                self.prefix.forget(choice.holder)
+                self.manager.release(choice.session)
+
+    # ---------------------------------------------------------- admission
+    def _free_cells(self) -> int:
+        return self.manager.cache.free_cells - sum(job.remaining_cells() for job in self._running)
+
+    def _free_sequences(self) -> int:
+        return MAX_SEQUENCES - len(self.manager.cache.next_pos)
+
+    def _admit(self) -> None:
+        """Starts waiting jobs, first come first served, while sessions and cells allow."""
+        while self._waiting:
+            job = self._waiting[0]
+            active = sum(j.request.n for j in self._running)
+            if active + job.request.n > self.max_sessions:
+                return
+            while self._free_sequences() < job.request.n and self.prefix.evict_one():
+                pass
+            if self._free_sequences() < job.request.n:
+                return
+            holder, matched = self.prefix.lookup(job.request.prompt)
+            if holder is not None:
+                session = self.manager.clone(holder.session, matched)
+            else:
+                session = self.manager.new_session()
+            job.prefilled = job.cached_tokens = matched
+            job.started = True  # remaining_cells() now counts from what the clone holds
+            need = job.remaining_cells()
+            while self._free_cells() < need and self.prefix.evict_one():
+                pass
+            if self._free_cells() < need:
+                self.manager.release(session)
+                job.started, job.prefilled, job.cached_tokens = False, 0, 0
+                if not self._running and not self.prefix.cached_count:
+                    self._waiting.popleft()
+                    job.sink(Failed(f"the request needs {need} cells and the pool cannot free them"))
+                    continue
+                return
+            self._waiting.popleft()
+            self._start(job, session)
+
+    def _start(self, job: _Job, session: Session) -> None:
+        request = job.request
+        holder = self.prefix.hold(session, list(request.prompt))
+        job.choices = [self._choice(job, 0, holder)]
+        self._running.append(job)
+
+    def _choice(self, job: _Job, index: int, holder: Holder) -> _Choice:
+        generator = torch.Generator().manual_seed(job.request.seed + index)
+        stream = TextStream(self.text) if self.text is not None else None
+        return _Choice(index, holder, generator, stream, StopMatcher(job.request.stop))
+
+    # --------------------------------------------------------------- step
+    def _step(self) -> None:
+        began = time.perf_counter()
+        entries: list[StepEntry] = []
+        due: list[tuple[_Job, _Choice | None]] = []  # per entry: the decoding choice, or None for a prefill slice
+        for job in self._running:
+            for choice in job.choices:
+                if not choice.finished and choice.pending is not None:
+                    entries.append(StepEntry(choice.session, [choice.pending], True))
+                    due.append((job, choice))
+        decodes = len(entries)
+        budget = self.max_step_tokens - decodes
+        for job in self._running:
+            if budget <= 0:
+                break
+            if job.prefilling:
+                prompt = job.request.prompt
+                take = min(budget, len(prompt) - job.prefilled)
+                last = job.prefilled + take == len(prompt)
+                entries.append(StepEntry(job.choices[0].session, prompt[job.prefilled : job.prefilled + take], last))
+                due.append((job, None))
+                budget -= take
+        if not entries:
+            return
+        tokens = sum(len(e.tokens) for e in entries)
+        model_began = time.perf_counter()
+        try:
+            logits = self.manager.step(entries)
+        except KvexportError as e:  # refused before any state changed: only these requests fail
+            for job in {job for job, _ in due}:
+                self._fail(job, f"the step was refused: {e}")
+            return
+        model_seconds = time.perf_counter() - model_began
+        rows: list[tuple[_Job, _Choice, torch.Tensor]] = []
+        for (job, choice), entry, row in zip(due, entries, logits):
+            if choice is not None:
+                choice.holder.tokens.append(choice.pending)
+                choice.pending = None
+                self.prefix.update(choice.holder)
+                rows.append((job, choice, row))
+                continue
+            job.prefilled += len(entry.tokens)
+            self.prefix.update(job.choices[0].holder)
+            if row is not None:  # the prompt is in: every choice samples from its last logits
+                self._fork(job)
+                rows.extend((job, choice, row) for choice in job.choices)
+        if rows:
+            model_began = time.perf_counter()
+            drawn, logprobs = self._sample(rows)
+            model_seconds += time.perf_counter() - model_began
+            now = time.perf_counter()
+            for (job, choice, _), token, lp in zip(rows, drawn, logprobs):
+                self._deliver(job, choice, token, lp, now)
+        if self.on_step is not None:
+            own = time.perf_counter() - began - model_seconds
+            self.on_step(StepStats(tokens, decodes, model_seconds, own))
+
+    def _fork(self, job: _Job) -> None:
+        """n > 1: the other choices clone the prompt's cells (nothing is copied)."""
+        first = job.choices[0]
+        for index in range(1, job.request.n):
+            session = self.manager.clone(first.session)
+            holder = self.prefix.hold(session, list(job.request.prompt))
+            job.choices.append(self._choice(job, index, holder))
+
+    def _sample(self, rows: list[tuple[_Job, _Choice, torch.Tensor]]) -> tuple[list[int], list[TokenLogprob | None]]:
+        logits = torch.stack([row for _, _, row in rows])
+        params = torch.tensor([params_row(job.request.sampling, choice.generator) for job, choice, _ in rows],
+                              dtype=torch.float32)
+        drawn = self.manager.sample(logits, params).tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        wanted = [i for i, (job, _, _) in enumerate(rows) if job.request.logprobs is not None]
+        if wanted:
+            log_probs = torch.log_softmax(logits[wanted].float(), dim=-1)
+            for k, i in enumerate(wanted):
+                top = rows[i][0].request.logprobs
+                values, ids = torch.topk(log_probs[k], top) if top else (torch.empty(0), torch.empty(0, dtype=torch.long))
+                logprobs[i] = TokenLogprob(drawn[i], float(log_probs[k, drawn[i]]), list(zip(ids.tolist(), values.tolist())))
+        return drawn, logprobs
+
+    def _deliver(self, job: _Job, choice: _Choice, token: int, logprob: TokenLogprob | None, now: float) -> None:
+        request = job.request
+        choice.output.append(token)
+        if self.on_token_times is not None:
+            first = len(choice.output) == 1
+            self.on_token_times(now - job.arrival if first else None, None if first else now - choice.last_token_time)
+        choice.last_token_time = now
+        eos = token in self.manager.eos_ids and not request.ignore_eos
+        text, stopped = "", False
+        if choice.stream is not None and not eos:
+            text, stopped = choice.matcher.feed(choice.stream.push(token))
+        reason = "stop" if eos or stopped else "length" if len(choice.output) >= request.max_tokens else None
+        if reason is not None and not stopped:
+            text += choice.matcher.flush()
+        job.sink(Delta(choice.index, text, [token], [logprob] if logprob is not None else None))
+        if reason is None:
+            choice.pending = token
+            return
+        choice.finished = True
+        job.sink(Finished(choice.index, reason))
+        self.prefix.retire(choice.holder)
+        if all(c.finished for c in job.choices) and len(job.choices) == request.n:
+            self._running.remove(job)
+            completion = sum(len(c.output) for c in job.choices)
+            job.sink(Done(len(request.prompt), completion, job.cached_tokens))
