@@ -32,7 +32,7 @@ from common import cpu_model, emit
 from kvexport.exporter.sources.models import cache_dir, load_model
 
 VERSION = "0.3.36"
-TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-server")
 HERE = Path(__file__).resolve().parent
 
 
@@ -68,26 +68,42 @@ def build(root: Path) -> Path:
 
 def models(tree: Path, root: Path, model: str) -> dict[str, Path]:
     """F32, Q8_0 and Q4_0 GGUF files of `model` (converted once)."""
-    out = {kind: root / f"{model}-{kind}.gguf" for kind in ("F32", "Q8_0", "Q4_0")}
-    if not out["F32"].exists():
-        if model == "smollm2-135m":
-            # the GGUF kvexport's own fp32 model is dequantized from: the same values
-            from kvexport.exporter.sources.models import _smollm2_gguf
-
-            run([str(tree / "build" / "bin" / "llama-quantize"), "--allow-requantize", str(_smollm2_gguf()),
-                 str(out["F32"]), "F32"], capture=False)
-        else:  # needs convert_hf_to_gguf.py's own requirements (sentencepiece, numpy)
-            hf_dir = root / f"{model}-hf"
-            if not (hf_dir / "config.json").exists():
-                loaded = load_model(model)
-                loaded.model.save_pretrained(hf_dir)
-                loaded.tokenizer.save_pretrained(hf_dir)
-            run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
-                 "--outfile", str(out["F32"])], capture=False, env={**os.environ, "PYTHONPATH": str(tree / "gguf-py")})
+    out = {"F32": f32_gguf(tree, root, model)}
     for kind in ("Q8_0", "Q4_0"):
+        out[kind] = root / f"{model}-{kind}.gguf"
         if not out[kind].exists():
             run([str(tree / "build" / "bin" / "llama-quantize"), str(out["F32"]), str(out[kind]), kind], capture=False)
     return out
+
+
+def f32_gguf(tree: Path, root: Path, model: str) -> Path:
+    """The F32 GGUF file of `model` (converted once)."""
+    out = root / f"{model}-F32.gguf"
+    if out.exists():
+        return out
+    if model == "smollm2-135m":
+        # the GGUF kvexport's own fp32 model is dequantized from: the same values
+        from kvexport.exporter.sources.models import _smollm2_gguf
+
+        run([str(tree / "build" / "bin" / "llama-quantize"), "--allow-requantize", str(_smollm2_gguf()),
+             str(out), "F32"], capture=False)
+    else:  # needs convert_hf_to_gguf.py's own requirements (sentencepiece, numpy)
+        hf_dir = root / f"{model}-hf"
+        if not (hf_dir / "config.json").exists():
+            loaded = load_model(model)
+            loaded.model.save_pretrained(hf_dir)
+            loaded.tokenizer.save_pretrained(hf_dir)
+        run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
+             "--outfile", str(out)], capture=False, env={**os.environ, "PYTHONPATH": str(tree / "gguf-py")})
+    return out
+
+
+def llama_f32(model: str = "smollm2-135m") -> tuple[Path, Path]:
+    """(the built llama.cpp tree, `model`'s F32 GGUF), made once in kvexport's cache
+    directory: what bench/serve.py runs llama-server on."""
+    root = cache_dir() / f"llama.cpp-{VERSION}"
+    tree = build(root)
+    return tree, f32_gguf(tree, root, model)
 
 
 def llama_rates(tree: Path, gguf: Path, threads: int, passive: bool) -> dict:

@@ -1,12 +1,44 @@
-"""Shared fixtures: tiny packages are exported once per test session."""
+"""Shared fixtures: tiny packages are exported once per test session.
+
+The suite runs on two pytest-xdist workers (pyproject's addopts; `-n0`
+runs it in one process). Every test that compiles native code runs on one
+worker (the `compile` group: one compile directory, one trust store, aoti
+packages exported once), every slow module's tests on one worker (its
+module-scoped real model exported once), and portable packages are shared
+between the workers through a locked folder, so no package is exported twice.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import os
+
 import pytest
+import torch
+from filelock import FileLock
 
 from helpers import export_tiny
 from kvexport.exporter.sources.models import load_model
 from kvexport.runtime import OffgraphKVManager, load
+
+
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER is not None:
+    torch.set_num_threads(1)  # two workers on two cores: one thread each, not two fighting for one core
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("compile"):
+            item.add_marker(pytest.mark.xdist_group("compile"))
+        elif item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group(f"slow-{item.module.__name__}"))
+
+
+def shared_folder(tmp_path_factory):
+    """A folder both workers see (the session's base folder without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if WORKER is not None else base
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -32,14 +64,26 @@ def tiny_package(tmp_path_factory):
     forward_sizes, ...), verified as the CLI does. Every test file asks this
     one factory, so two files that need the same package share it."""
     cache = {}
+    shared = shared_folder(tmp_path_factory) / "packages"
+    shared.mkdir(exist_ok=True)
 
     def get(model: str, backend: str = "portable", **recipe):
         if backend == "aoti":
             recipe.setdefault("forward_sizes", AOTI_FORWARD_SIZES)
+            if WORKER is not None:
+                recipe.setdefault("compile_workers", 1)  # the other core runs the other worker
         key = (model, backend, tuple(sorted(recipe.items())))
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"{model}-{backend}") / "pkg"
-            cache[key] = export_tiny(model, out, backend=backend, **recipe).path
+            if backend == "aoti":  # native code: exported, trusted and used by the compile worker alone
+                out = tmp_path_factory.mktemp(f"{model}-{backend}") / "pkg"
+                cache[key] = export_tiny(model, out, backend=backend, **recipe).path
+            else:
+                name = hashlib.sha256(repr(key).encode()).hexdigest()[:16]
+                out = shared / f"{model}-{name}"
+                with FileLock(str(shared / f"{name}.lock")):
+                    if not (out / "manifest.json").is_file():  # an export is placed whole, or not at all
+                        export_tiny(model, out, backend=backend, **recipe)
+                cache[key] = out
         return cache[key]
 
     return get

@@ -77,3 +77,27 @@ def test_single_sequence_contracts(tmp_path, hf, contract):
     runtime = load(out)
     prompt = runtime.package.tokenizer().encode(QUESTIONS[1])
     assert generate(runtime, [prompt], 24) == [hf_greedy(hf, prompt, 24)]
+
+
+def test_served_answers_equal_generate_and_the_client_streams_them(smollm2):
+    """kvexport serve on the real model: the openai client's answers, streamed
+    and not, equal `kvexport generate --json` on the same prompt alone; a stop
+    string cuts byte-level BPE text where it appears."""
+    from test_serve import Server
+
+    package = smollm2[0]
+    result = CliRunner().invoke(main, ["generate", str(package), "--prompt", QUESTIONS[1], "--max-new-tokens", "16", "--json"])
+    want = json.loads(result.stdout)["outputs"][0]["text"]
+    server = Server(package, "--max-sessions", "4")
+    try:
+        client = server.client()
+        messages = [{"role": "user", "content": QUESTIONS[1]}]
+        reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0)
+        assert reply.choices[0].message.content == want
+        chunks = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0, stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+        stop = want.split()[2]
+        cut = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=16, temperature=0, stop=[stop])
+        assert cut.choices[0].message.content == want[: want.index(stop)] and cut.choices[0].finish_reason == "stop"
+    finally:
+        assert server.stop() == 0, "".join(server.log)
