@@ -403,6 +403,7 @@ def generate(
 @click.option("--max-body-bytes", type=int, default=4 << 20, show_default=True, help="Largest request body; past it, 413.")
 @click.option("--grace-seconds", type=float, default=10.0, show_default=True, help="On SIGTERM: how long in-flight requests may finish before they are cancelled.")
 @click.option("--verify/--no-verify", default=True, show_default=True, help="Rerun the package's stored probes before reporting ready.")
+@click.option("--state-dir", type=click.Path(path_type=Path), help="Save the prefix cache's sessions here at shutdown (token ids and K/V, in the package's cell layout) and restore them at start; files saved for another package are not restored.")
 @click.option("--trust-native-code", is_flag=True, help="Run an aoti package's native code though it is not in the trust store.")
 @click.option("--expect-digest", metavar="DIGEST", help="Serve only the package whose manifest digest is DIGEST (and trust its native code).")
 def serve(package: Path, host: str, port: int, **options) -> None:

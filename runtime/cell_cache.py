@@ -150,6 +150,36 @@ class CellCache:
         self.owners[dropped] &= ~sequence_bit(seq)
         self.next_pos[seq] = pos
 
+    def read_sequence(self, seq: int) -> list[torch.Tensor]:
+        """A copy of seq's K/V in position order: one [length, heads, head_dim]
+        tensor per pool (k0, v0, k1, ...), the layout write_sequence takes back."""
+        self._check_live(seq)
+        owned = torch.nonzero((self.owners & sequence_bit(seq)) != 0).squeeze(1)
+        cells = owned[torch.argsort(self.positions[owned])]
+        return [pool[cells].clone() for pool in self.pools]
+
+    def write_sequence(self, seq: int, pools: list[torch.Tensor]) -> None:
+        """Appends K/V read by read_sequence (of a sequence of this geometry and
+        dtype) to the empty sequence seq; refused, changing nothing, when it does
+        not fit the pool or its layout differs."""
+        self._check_live(seq)
+        if self.next_pos[seq] != 0:
+            raise RuntimeRefusal(f"sequence {seq} is not empty: restore into a new session")
+        expected = [(kv, self.geometry.kv_heads[layer], self.geometry.head_dims[layer])
+                    for layer in range(self.geometry.n_layers) for kv in (0, 1)]
+        if len(pools) != len(expected) or not pools:
+            raise RuntimeRefusal(f"saved cells hold {len(pools)} pools; this cache has {len(expected)}")
+        length = pools[0].shape[0]
+        for tensor, (_, heads, dim) in zip(pools, expected):
+            if tuple(tensor.shape) != (length, heads, dim) or tensor.dtype != self.dtype:
+                raise RuntimeRefusal(f"saved cells of {tuple(tensor.shape)} {tensor.dtype} do not fit this cache's "
+                                     f"({length}, {heads}, {dim}) {self.dtype}")
+        self.check_step({seq: length})
+        with self.placed([seq] * length) as (cells, _):
+            targets = self.views(self.read_len())
+            for target, tensor in zip(targets, pools):
+                target[cells] = tensor.to(self.device)
+
     # ---------------------------------------------------------------- steps
     @property
     def free_cells(self) -> int:

@@ -3,9 +3,9 @@
 The suite runs on two pytest-xdist workers (pyproject's addopts; `-n0`
 runs it in one process). Every test that compiles native code runs on one
 worker (the `compile` group: one compile directory, one trust store, aoti
-packages exported once), every slow module's tests on one worker (its
-module-scoped real model exported once), and portable packages are shared
-between the workers through a locked folder, so no package is exported twice.
+packages exported once), every other module's tests on one worker (its
+module-scoped fixtures run once), and portable packages are shared between
+the workers through a locked folder, so no package is exported twice.
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ if WORKER is not None:
 
 
 def pytest_collection_modifyitems(config, items):
+    """Each test's xdist group: `compile` for every test that compiles, else
+    its module (its module-scoped fixtures then run once). The compile group
+    and the slow modules go first, so the longest units start at once."""
     for item in items:
-        if item.get_closest_marker("compile"):
-            item.add_marker(pytest.mark.xdist_group("compile"))
-        elif item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.xdist_group(f"slow-{item.module.__name__}"))
+        group = "compile" if item.get_closest_marker("compile") else item.module.__name__
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: 0 if item.get_closest_marker("compile") else 1 if item.get_closest_marker("slow") else 2)
 
 
 def shared_folder(tmp_path_factory):
@@ -52,9 +54,10 @@ def session_trust_dir(tmp_path_factory):
 
 
 # an aoti package compiles every method (10-15 s each here): its tiny
-# packages take the fewest static sizes that still cover every path (one
-# row, several rows, forward_others above them)
-AOTI_FORWARD_SIZES = "1,4"
+# packages take one static size, the fewest that still covers every path
+# (a decode of one real row padded to four, several rows, forward_others
+# above them); test_kernels covers the kernels' row counts one by one
+AOTI_FORWARD_SIZES = "4"
 
 
 @pytest.fixture(scope="session")
@@ -70,8 +73,6 @@ def tiny_package(tmp_path_factory):
     def get(model: str, backend: str = "portable", **recipe):
         if backend == "aoti":
             recipe.setdefault("forward_sizes", AOTI_FORWARD_SIZES)
-            if WORKER is not None:
-                recipe.setdefault("compile_workers", 1)  # the other core runs the other worker
         key = (model, backend, tuple(sorted(recipe.items())))
         if key not in cache:
             if backend == "aoti":  # native code: exported, trusted and used by the compile worker alone

@@ -264,7 +264,7 @@ def private_tmp(tmp_path, monkeypatch):
 @pytest.mark.compile
 def test_a_compiled_archive_swapped_after_hashing_never_loads(tmp_path, aoti_package, monkeypatch, private_tmp):
     pkg = copy_of(tmp_path, aoti_package)
-    archive = pkg / "programs" / "forward_1.aoti.pt2"
+    archive = pkg / "programs" / "forward_4.aoti.pt2"
     swap_after_hashing(monkeypatch, archive, b"PK\x05\x06" + bytes(18))  # an empty zip: loading it fails
     runtime = load(pkg)
     assert tokens(runtime) == tokens(load(aoti_package))
@@ -277,7 +277,7 @@ def test_a_compiled_library_that_fails_to_load_is_a_package_error(tmp_path, aoti
     """A trusted archive whose library does not load: a PackageError naming
     the method, and nothing torch unpacked is left in the temp dir."""
     pkg = copy_of(tmp_path, aoti_package)
-    archive = pkg / "programs" / "forward_1.aoti.pt2"
+    archive = pkg / "programs" / "forward_4.aoti.pt2"
     out = io.BytesIO()
     with zipfile.ZipFile(archive) as src, zipfile.ZipFile(out, "w") as dst:
         for info in src.infolist():
@@ -286,6 +286,6 @@ def test_a_compiled_library_that_fails_to_load_is_a_package_error(tmp_path, aoti
     archive.write_bytes(out.getvalue())
     fix_checksums(pkg)
     runtime = load(pkg, trust_native_code=True)
-    with pytest.raises(PackageError, match="methods.forward_1.compiled: the compiled library"):
-        runtime.package.method("forward_1")
+    with pytest.raises(PackageError, match="methods.forward_4.compiled: the compiled library"):
+        runtime.package.method("forward_4")
     assert list(private_tmp.iterdir()) == []

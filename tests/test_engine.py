@@ -198,3 +198,36 @@ def test_n_choices_clone_the_prompt_and_sample_with_their_own_seeds(package):
         assert sink.events[-1].completion_tokens == sum(map(len, outputs))
     finally:
         engine.shutdown()
+
+
+def test_cached_sessions_survive_a_restart_through_the_state_dir(package, tmp_path, caplog):
+    """--state-dir: the kept sessions are saved at shutdown and restored at
+    start; a follow-up prompt then reuses them and answers as alone. Files
+    saved for another package are not restored, and the log says so."""
+    prompt = prompt_of(2 * BLOCK_TOKENS + 4, seed=21)
+    first = Engine(runtime_of(package), None, state_dir=tmp_path, package_digest="a" * 64)
+    try:
+        [done] = run_all(first, [GenerationRequest(prompt, 6)])
+    finally:
+        first.shutdown()
+    [saved] = tmp_path.glob("*/session-*.safetensors")
+    manager = runtime_of(package)
+    again = Engine(manager, None, state_dir=tmp_path, package_digest="a" * 64)
+    try:
+        assert again.prefix.cached_count == 1
+        follow = prompt + done.tokens()[:-1] + [9, 10]
+        [answer] = run_all(again, [GenerationRequest(follow, 5)])
+        assert answer.events[-1].cached_tokens == len(prompt) + 5 and again.prefix.hits == 1
+        assert answer.tokens() == generate(runtime_of(package), [follow], 5)[0]
+    finally:
+        again.shutdown()
+    other = Engine(runtime_of(package), None, state_dir=tmp_path, package_digest="b" * 64)
+    other.shutdown()
+    assert other.prefix.cached_count == 0 and saved.exists()  # another package's sessions are left alone
+    moved = tmp_path / ("b" * 16) / saved.name
+    moved.parent.mkdir(exist_ok=True)
+    saved.rename(moved)  # a file copied into this package's folder: its tag still says whose it is
+    caplog.set_level("WARNING")
+    third = Engine(runtime_of(package), None, state_dir=tmp_path, package_digest="b" * 64)
+    third.shutdown()
+    assert third.prefix.cached_count == 0 and "saved for package aaaa" in caplog.text

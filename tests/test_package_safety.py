@@ -256,8 +256,9 @@ def test_validate_checks_the_weights_against_the_bindings(tmp_path, tiny_package
 
 @pytest.mark.parametrize(
     "content",
-    [b"not gzip", gzip.compress(b"{not json"), gzip.compress(b"[1, 2]"), gzip.compress(b'{"graph_module": 3}'),
-     gzip.compress(b"[" * 100000 + b"]" * 100000)],
+    [b"not gzip", gzip.compress(b"{not json", mtime=0), gzip.compress(b"[1, 2]", mtime=0),
+     gzip.compress(b'{"graph_module": 3}', mtime=0), gzip.compress(b"[" * 100000 + b"]" * 100000, mtime=0)],
+    ids=["not gzip", "not json", "a list", "no graph", "deep nesting"],
 )
 def test_malformed_programs_are_listed_not_raised(tmp_path, tiny_package, content):
     pkg = copy(tmp_path, tiny_package)

@@ -256,10 +256,11 @@ def test_metrics_report_tokens_and_latencies(server):
 # ------------------------------------------- cancellation, overload, SIGTERM
 @pytest.fixture(scope="module")
 def small_server(chat_package):
-    """One session at a time, one waiting, no prefix cache, 8-token steps:
-    prompts prefill over several steps, and cells in use drop to 0 when idle."""
-    server = Server(chat_package, "--max-sessions", "1", "--max-queue", "1", "--prefix-cache-cells", "0",
-                    "--max-step-tokens", "8", "--no-verify")
+    """Two sessions at a time, one waiting, no prefix cache, 8-token steps:
+    prompts prefill over several steps, and cells in use drop to 0 when idle.
+    The module's last test stops it with SIGTERM."""
+    server = Server(chat_package, "--max-sessions", "2", "--max-queue", "1", "--prefix-cache-cells", "0",
+                    "--max-step-tokens", "8", "--no-verify", "--grace-seconds", "60")
     yield server
     assert server.stop() == 0, "".join(server.log)
 
@@ -301,33 +302,34 @@ def test_a_client_that_leaves_frees_its_cells(small_server, where):
 
 def test_a_full_queue_answers_429_with_retry_after(small_server):
     long = {"prompt": prompt_of(4, seed=2), "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
-    first = open_stream(small_server, long)  # runs
-    first.getresponse().readline()
-    second = open_stream(small_server, long)  # waits
+    running = [open_stream(small_server, long) for _ in range(2)]
+    for connection in running:
+        connection.getresponse().readline()
+    waiting = open_stream(small_server, long)
     assert wait_for(lambda: small_server.metric("kvexport_queue_depth") == 1)
     status, headers, body = small_server.post("/v1/completions", long, key=None)
     assert status == 429 and headers.get("retry-after") == "1"
     assert json.loads(body)["error"]["type"] == "rate_limit_error"
     with pytest.raises(openai.RateLimitError):
         small_server.client().completions.create(model="pkg", prompt=[5], max_tokens=2)
-    for connection in (first, second):
+    for connection in running + [waiting]:
         connection.close()
     assert wait_for(lambda: small_server.metric("kvexport_cells_in_use") == 0)
 
 
-def test_sigterm_finishes_in_flight_requests_and_exits_0(chat_package):
-    server = Server(chat_package, "--no-verify", "--grace-seconds", "30")
-    body = {"prompt": prompt_of(6, seed=4), "max_tokens": 300, "temperature": 0, "ignore_eos": True}
-    with ThreadPoolExecutor(3) as pool:
-        replies = [pool.submit(server.post, "/v1/completions", body, None) for _ in range(3)]
-        assert wait_for(lambda: server.metric("kvexport_running_requests") == 3)
-        server.process.send_signal(signal.SIGTERM)
+def test_sigterm_finishes_in_flight_requests_and_exits_0(small_server):
+    """Runs last in this module: it stops the small server."""
+    body = {"prompt": prompt_of(6, seed=4), "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:
+        replies = [pool.submit(small_server.post, "/v1/completions", body, None) for _ in range(2)]
+        assert wait_for(lambda: small_server.metric("kvexport_running_requests") == 2)
+        small_server.process.send_signal(signal.SIGTERM)
         results = [r.result() for r in replies]
-    assert server.process.wait(60) == 0
+    assert small_server.process.wait(60) == 0, "".join(small_server.log)
     for status, _, answer in results:
-        assert status == 200 and json.loads(answer)["usage"]["completion_tokens"] == 300
+        assert status == 200 and json.loads(answer)["usage"]["completion_tokens"] == 120
     with pytest.raises(OSError):
-        server.request("GET", "/health", timeout=2)
+        small_server.request("GET", "/health", timeout=2)
 
 
 def test_a_package_that_cannot_be_served_exits_1_with_its_reason(tiny_package, tmp_path):

@@ -25,7 +25,7 @@ QUESTIONS = ["Give me a short fact about the Moon.", "Which planet is known as t
 @pytest.fixture(scope="module")
 def smollm2(tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2") / "pkg"
-    args = ["export", "smollm2-135m", "-o", str(out), "--use-offgraph-kv-cache", "--forward-sizes", "1,2,4,8",
+    args = ["export", "smollm2-135m", "-o", str(out), "--use-offgraph-kv-cache", "--forward-sizes", "1,4",
             "--max-step-tokens", "32", "--max-cells", "1024"]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -71,7 +71,8 @@ def test_cli_answers_a_question(smollm2):
 @pytest.mark.parametrize("contract", ["ingraph_kv", "hf_static"])
 def test_single_sequence_contracts(tmp_path, hf, contract):
     out = tmp_path / "pkg"
-    args = ["export", "smollm2-135m", "-o", str(out), "--contract", contract, "--max-step-tokens", "32", "--max-context-len", "256"]
+    args = ["export", "smollm2-135m", "-o", str(out), "--contract", contract, "--max-step-tokens", "32", "--max-context-len", "256",
+            "--no-verify"]  # the test compares with HF itself
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     runtime = load(out)

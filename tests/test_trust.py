@@ -91,12 +91,12 @@ def test_kvexport_trust_then_load_then_remove(aoti_package, empty_store):
 
 
 def swapped_copy(tmp_path, source):
-    """A copy whose forward_1 is another method's compiled code, with the
+    """A copy whose forward_4 is another method's compiled code, with the
     manifest's checksums fixed up: whole, but not what was trusted."""
     target = tmp_path / "pkg"
     shutil.copytree(source, target)
-    rel = "programs/forward_1.aoti.pt2"
-    shutil.copyfile(target / "programs" / "forward_4.aoti.pt2", target / rel)
+    rel = "programs/forward_4.aoti.pt2"
+    shutil.copyfile(target / "programs" / "forward_others.aoti.pt2", target / rel)
     manifest = json.loads((target / "manifest.json").read_text())
     manifest["files"][rel] = {"sha256": sha256_file(target / rel), "bytes": (target / rel).stat().st_size}
     (target / "manifest.json").write_text(dump_manifest(manifest))
@@ -136,7 +136,7 @@ def test_compiled_code_needs_the_aoti_backend(tmp_path, aoti_package, monkeypatc
     (target / "manifest.json").write_text(dump_manifest(manifest))
     never_load_native_code(monkeypatch)
     with pytest.raises(PackageError, match="only a package whose backend declares a compile target (may hold|holds) compiled code"):
-        load(target).package.method("forward_1")
+        load(target).package.method("forward_4")
 
 
 def test_cli_exit_codes(tmp_path, aoti_package, empty_store):
@@ -150,7 +150,7 @@ def test_cli_exit_codes(tmp_path, aoti_package, empty_store):
     assert run_cli(*gen, "--expect-digest", digest.stdout.strip()).exit_code == 0
     damaged = tmp_path / "damaged"
     shutil.copytree(aoti_package, damaged)
-    with open(damaged / "programs" / "forward_1.aoti.pt2", "r+b") as f:
+    with open(damaged / "programs" / "forward_4.aoti.pt2", "r+b") as f:
         f.write(b"\0" * 16)
     result = run_cli("trust", str(damaged))
     assert result.exit_code == 1 and "damaged; not trusting it" in result.stderr

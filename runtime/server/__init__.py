@@ -37,6 +37,7 @@ def serve(
     trust_native_code: bool = False,
     expect_digest: str | None = None,
     verify: bool = True,
+    state_dir: Path | str | None = None,
     on_listening: Callable[[str], None] | None = None,
 ) -> None:
     """Serves `package` until SIGTERM or SIGINT. The socket is bound first
@@ -71,7 +72,8 @@ def serve(
 
     def startup() -> None:
         start_loading(state, stop, package=package, trust_native_code=trust_native_code, expect_digest=expect_digest,
-                      max_cells=max_cells, verify=verify, engine_options=engine_options)
+                      max_cells=max_cells, verify=verify, engine_options=engine_options,
+                      state_dir=Path(state_dir) if state_dir is not None else None)
         if on_listening is not None:
             on_listening(url)
 

@@ -23,8 +23,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvexport.contract.errors import KvexportError
+from kvexport.contract.trust import manifest_digest
 from kvexport.runtime.server import openai_api as api
-from kvexport.runtime.server.engine import Delta, Done, Engine, Failed, Finished, GenerationRequest, QueueFull, RequestError
+from kvexport.runtime.server.engine import (Delta, Done, Engine, Failed, Finished, GenerationRequest, QueueFull, RequestError,
+                                            ShuttingDown)
 from kvexport.runtime.server.metrics import Metrics
 from kvexport.runtime.text import Text
 
@@ -205,6 +207,8 @@ async def _generate(state: ServerState, request: Request, parsed: api.ParsedRequ
     except RequestError as e:
         raise api.ApiError(400, str(e), param="messages" if kind == "chat" else "prompt", code="context_length_exceeded"
                            if "context" in str(e) else None) from None
+    except ShuttingDown as e:
+        raise api.ApiError(503, str(e), type="server_error", code="shutting_down") from None
     except QueueFull as e:
         raise api.ApiError(429, str(e), type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"}) from None
     state.metrics.prompt_tokens.inc(len(prompt))
@@ -346,7 +350,7 @@ class _Reply:
 
 # ------------------------------------------------------------------ loading
 def load_engine(state: ServerState, package, *, trust_native_code: bool, expect_digest: str | None, max_cells: int | None,
-                verify: bool, engine_options: dict) -> None:
+                verify: bool, engine_options: dict, state_dir=None) -> None:
     """Loads and verifies the package, then starts the engine (in a thread of
     its own while the server already answers /health with 503)."""
     from kvexport.runtime import load
@@ -365,7 +369,9 @@ def load_engine(state: ServerState, package, *, trust_native_code: bool, expect_
         log.info("%s", result.summary)
     text = runtime.package.tokenizer() if runtime.package.manifest.get("tokenizer") else None
     metrics = state.metrics
-    engine = Engine(runtime, text, on_step=metrics.step, on_token_times=metrics.token_times, **engine_options)
+    digest = manifest_digest(runtime.package.reader.manifest_bytes)
+    engine = Engine(runtime, text, on_step=metrics.step, on_token_times=metrics.token_times, state_dir=state_dir,
+                    package_digest=digest, **engine_options)
     state.ready(engine, text)
 
 

@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -33,6 +34,7 @@ from kvexport.contract.sampler import SamplingConfig, params_row
 from kvexport.runtime.cell_cache import MAX_SEQUENCES
 from kvexport.runtime.offgraph import OffgraphKVManager, Session, StepEntry, check_token_ids
 from kvexport.runtime.server.prefix_cache import Holder, PrefixCache
+from kvexport.runtime.server.state import restore_sessions, save_sessions
 from kvexport.runtime.text import StopMatcher, Text, TextStream
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,10 @@ class RequestError(KvexportError):
 
 class QueueFull(KvexportError):
     """More requests wait than the queue holds (HTTP 429)."""
+
+
+class ShuttingDown(KvexportError):
+    """The engine takes no more requests (HTTP 503)."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +177,8 @@ class Engine:
         prefix_cache_cells: int | None = None,
         on_step: Callable[[StepStats], None] | None = None,
         on_token_times: Callable[[float | None, float | None], None] | None = None,
+        state_dir: Path | None = None,
+        package_digest: str = "",
     ):
         self.check_options(max_sessions, max_queue, max_step_tokens, prefix_cache_cells)
         self.manager = manager
@@ -190,6 +198,10 @@ class Engine:
         self._stopping = False
         self._waiting: collections.deque[_Job] = collections.deque()
         self._running: list[_Job] = []
+        self.state_dir, self.package_digest = state_dir, package_digest
+        if state_dir is not None and state_dir.is_dir():
+            restored = restore_sessions(self.prefix, state_dir, package_digest)
+            log.info("restored %d cached sessions from %s", restored, state_dir)
         self._thread = threading.Thread(target=self._loop, name="kvexport-engine", daemon=True)
         self._thread.start()
 
@@ -233,7 +245,7 @@ class Engine:
         self.check(request)
         with self._lock:
             if self._stopping:
-                raise QueueFull("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             if len(self._inbox) + len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests are waiting (this server's --max-queue); retry shortly")
             job = _Job(next(self._ids), request, sink, time.perf_counter())
@@ -246,7 +258,7 @@ class Engine:
             self._cancels.append(handle._job)
             self._lock.notify()
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 120.0) -> None:
         """Cancels whatever still runs and stops the loop."""
         with self._lock:
             self._stopping = True
@@ -280,6 +292,9 @@ class Engine:
             if stopping:
                 for job in list(self._running) + list(self._waiting):
                     self._fail(job, "the server is shutting down")
+                if self.state_dir is not None:
+                    saved = save_sessions(self.prefix, self.state_dir, self.package_digest)
+                    log.info("saved %d cached sessions to %s", saved, self.state_dir)
                 return
             try:
                 self._admit()
@@ -321,7 +336,9 @@ class Engine:
         return self.manager.cache.free_cells - sum(job.remaining_cells() for job in self._running)
 
     def _free_sequences(self) -> int:
-        return MAX_SEQUENCES - len(self.manager.cache.next_pos)
+        """Sequence ids free, less those running jobs will take when they fork their choices."""
+        forks = sum(job.request.n - len(job.choices) for job in self._running)
+        return MAX_SEQUENCES - len(self.manager.cache.next_pos) - forks
 
     def _admit(self) -> None:
         """Starts waiting jobs, first come first served, while sessions and cells allow."""
