@@ -46,11 +46,12 @@ def swap(path, data: bytes) -> None:
     os.replace(staged, path)
 
 
-def swap_after_hashing(monkeypatch, path, data: bytes) -> None:
+def swap_after_hashing(monkeypatch, path, data: bytes) -> list[str]:
     """The race made deterministic: the original bytes are in place whenever
     the file is opened or hashed, and `data` is renamed into their place
     right after each digest of them, as an attacker who watches for the
-    check does."""
+    check does. Returns the list of swaps made (the digest function's name each)."""
+    swaps: list[str] = []
     original = path.read_bytes()
     digest_of_original = hashlib.sha256(original).hexdigest()
 
@@ -67,6 +68,7 @@ def swap_after_hashing(monkeypatch, path, data: bytes) -> None:
             digest = real(*args, **kwargs)
             if digest == digest_of_original:
                 swap(path, data)
+                swaps.append(real.__name__)
             return digest
 
         return hooked
@@ -74,6 +76,7 @@ def swap_after_hashing(monkeypatch, path, data: bytes) -> None:
     for name, hook in (("open_inside", before), ("sha256_file", after), ("sha256_fd", after), ("sha256_buffer", after)):
         if hasattr(package_module, name):  # today's names, and those the old code had
             monkeypatch.setattr(package_module, name, hook(getattr(package_module, name)))
+    return swaps
 
 
 def tokens(runtime) -> list[int]:
@@ -263,12 +266,14 @@ def private_tmp(tmp_path, monkeypatch):
 
 @pytest.mark.compile
 def test_a_compiled_archive_swapped_after_hashing_never_loads(tmp_path, aoti_package, monkeypatch, private_tmp):
+    want = tokens(load(aoti_package))  # before the hooks, which watch every open and digest
     pkg = copy_of(tmp_path, aoti_package)
     archive = pkg / "programs" / "forward_4.aoti.pt2"
-    swap_after_hashing(monkeypatch, archive, b"PK\x05\x06" + bytes(18))  # an empty zip: loading it fails
+    swaps = swap_after_hashing(monkeypatch, archive, b"PK\x05\x06" + bytes(18))  # an empty zip: loading it fails
     runtime = load(pkg)
-    assert tokens(runtime) == tokens(load(aoti_package))
-    assert archive.read_bytes().startswith(b"PK\x05\x06"), "the swap happened, and the hashed copy ran"
+    hashed_at_load = len(swaps)
+    assert tokens(runtime) == want
+    assert hashed_at_load >= 1 and len(swaps) > hashed_at_load, "swapped after the load's hash and the copy's: the copy ran"
     assert list(private_tmp.iterdir()) == []
 
 
