@@ -113,3 +113,17 @@ def test_the_exporter_holds_the_pipeline_and_its_rooms():
     assert (ROOT / "exporter" / "sources" / "models.py").is_file()
     assert (ROOT / "exporter" / "quantization" / "quantize.py").is_file()
     assert not list((ROOT / "exporter").glob("*.cpp")) and list((ROOT / "partitioners" / "aoti" / "kernels").glob("*.cpp"))
+
+
+def test_every_code_folder_is_an_installed_package():
+    """pyproject.toml lists the packages one by one (the folders are mapped
+    into kvexport.*): a folder missing there works from a checkout and is
+    absent from an install."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    folders = {
+        "kvexport." + ".".join(init.parent.relative_to(ROOT).parts)
+        for part in PARTS for init in (ROOT / part).rglob("__init__.py") if "__pycache__" not in init.parts
+    }
+    assert folders == listed, f"add to pyproject.toml: {sorted(folders - listed)}; no such folder: {sorted(listed - folders)}"
