@@ -2,7 +2,7 @@
 under the same streamed chat load, in one command:
 
     python bench/serve.py [--package PKG] [--requests 64] [--clients 16 | --rate R]
-                          [--prefix-turns] [--conversations 3]
+                          [--prefix-turns] [--conversations 3] [--omp-passive]
     python bench/serve.py --soak SECONDS [--package PKG]
 
 What it starts, one server at a time (each is killed at the end, Ctrl-C too):
@@ -36,17 +36,27 @@ from /metrics, over the main load only); the CPU, the thread count and the
 load average (other work on the machine skews every figure). Then the JSON
 via `emit`, like the other bench scripts.
 
-`--prefix-turns` adds conversations whose second turn carries a ~1,500-token
-history: turn 2's time to first token on kvexport with its prefix cache on
-(the main server) and with `--prefix-cache-cells 0` (a second server), and
-their ratio; llama-server's (its own prompt cache on) beside them.
+`--prefix-turns` adds conversations (3, --conversations) whose second turn
+carries a ~1,500-token history, one request at a time on fresh servers: turn
+2's time to first token (median) on kvexport with its prefix cache on and
+with `--prefix-cache-cells 0`, and their ratio; llama-server's (its own
+prompt cache on) beside them.
 
 `--soak SECONDS` runs only kvexport, with `--prefix-cache-cells 0`: 32
-clients, random prompt lengths and max_tokens, a quarter of the requests
-dropped mid-stream (the socket closed); every 10 s the server's RSS
-(/proc/PID/status VmRSS) and kvexport_cells_in_use. At the end it checks that
-the cells in use return to 0, that the RSS is within 5% of its value after
-the first minute, and that every response read to its end was well-formed.
+clients, random prompt lengths (log-uniform, up to ~1,450 tokens) and
+max_tokens (1-128), a quarter of the requests dropped mid-stream (the socket
+closed); every 10 s the server's RSS (/proc/PID/status VmRSS) and
+kvexport_cells_in_use. No request starts after SECONDS; those in flight have
+300 s more. At the end it checks that the cells in use return to 0, that the
+RSS is within 5% of its value after the first minute, and of its value when
+the cells in use peaked (the cell pool doubles when they outgrow it and never
+shrinks: a step up to the peak is the pool, a creep after it a leak), and that
+every response read to its end was well-formed (JSON chunks, a finish_reason,
+usage that agrees with it, [DONE]).
+
+`--omp-passive` sets OMP_WAIT_POLICY=passive for both servers: on a machine
+other work keeps busy, OpenMP threads that spin at barriers collapse
+(llama-server fell from ~60 to ~8 tokens/s here beside a parallel test run).
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ import math
 import os
 import random
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -119,15 +130,16 @@ class Server:
     """One server process for the bench, stopped on leaving the with block
     (SIGTERM, then SIGKILL): a failed run or Ctrl-C leaves none behind."""
 
-    def __init__(self, name: str, command: list[str], url: str | None = None):
-        self.name, self.command, self.url = name, command, url
+    def __init__(self, name: str, command: list[str], url: str | None = None, env: dict | None = None):
+        self.name, self.command, self.url, self.env = name, command, url, env
         self.log = Path(tempfile.mkstemp(prefix=f"bench-serve-{name}-", suffix=".log")[1])
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> "Server":
         print("+", " ".join(self.command), file=sys.stderr, flush=True)
         with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            env=self.env)
         try:
             self._wait_ready()
         except BaseException:
@@ -169,18 +181,24 @@ class Server:
             self.process.wait()
 
 
-def kvexport_server(pkg: Path, *extra: str) -> Server:
+def kvexport_server(pkg: Path, args: argparse.Namespace, *extra: str) -> Server:
     command = [sys.executable, "-m", "kvexport.cli.main", "serve", str(pkg), "--port", "0",
-               "--max-sessions", str(SLOTS), *extra]
-    return Server("kvexport", command)
+               "--max-sessions", str(SLOTS), *(["--trust-native-code"] if args.trust_native_code else []), *extra]
+    return Server("kvexport", command, env=server_env(args))
 
 
-def llama_server(tree: Path, gguf: Path, threads: int) -> Server:
+def llama_server(tree: Path, gguf: Path, args: argparse.Namespace) -> Server:
     port = free_port()
     command = [str(tree / "build" / "bin" / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-               "-np", str(SLOTS), "-c", str(SLOTS * CONTEXT_PER_SLOT), "--cont-batching", "-t", str(threads),
+               "-np", str(SLOTS), "-c", str(SLOTS * CONTEXT_PER_SLOT), "--cont-batching", "-t", str(args.threads),
                "-ctk", "f32", "-ctv", "f32"]
-    return Server("llama-server", command, url=f"http://127.0.0.1:{port}")
+    return Server("llama-server", command, url=f"http://127.0.0.1:{port}", env=server_env(args))
+
+
+def server_env(args: argparse.Namespace) -> dict:
+    # both servers' OpenMP threads spin at barriers by default: on a busy machine a
+    # descheduled thread stalls the spinning ones (llama-server fell from ~60 to ~8 tokens/s so)
+    return {**os.environ, "OMP_WAIT_POLICY": "passive"} if args.omp_passive else dict(os.environ)
 
 
 def free_port() -> int:
@@ -221,6 +239,7 @@ class Outcome:
     ok: bool = False
     error: str = ""
     dropped: bool = False  # the client closed the socket mid-stream on purpose
+    timed_out: bool = False  # no byte came for the rest of the deadline
     max_tokens: int = 0
     sent: float = 0.0
     chunk_times: list[float] = field(default_factory=list)  # arrivals of chunks that carry content
@@ -263,6 +282,8 @@ def chat(url: str, messages: list[dict], max_tokens: int, deadline: float, ignor
             out.error = f"HTTP {response.status}: {response.read()[:200]!r}"
             return out
         read_events(response, out, drop_after, sock)
+    except TimeoutError:
+        out.timed_out, out.error = True, "timed out: nothing came before the deadline"
     except (OSError, http.client.HTTPException) as e:
         out.error = f"{type(e).__name__}: {e}"
     finally:
@@ -405,19 +426,21 @@ def measure(server: Server, args: argparse.Namespace) -> dict:
     load = os.getloadavg()[0]
     outcomes, wall = drive(server.url, args.requests, args.clients, args.rate, time.monotonic() + args.deadline)
     result = {**summary(outcomes, wall), "load_average_before": round(load, 2)}
-    share = engine_share(before, scrape(server.url))
-    if share:
-        result["engine"] = share
+    after = scrape(server.url)
+    share = engine_share(before, after)
+    if share:  # kvexport: what the engine did, and the cells its prefix cache kept once the load was over
+        result["engine"] = {**share, "cells_in_use_after": after.get("kvexport_cells_in_use")}
     return result
 
 
 # ------------------------------------------------------------------ prefix turns
 def history(conversation: int) -> str:
-    """~1,500 tokens of notes, different from the first line in every conversation."""
+    """~1,200 tokens of notes (with the system prompt and a reply, turn 2 carries ~1,500),
+    different from the first line in every conversation."""
     rng = random.Random(conversation)
     colours, things = ("red", "green", "grey", "blue", "amber"), ("atlas", "ledger", "map", "diary", "folio", "score")
     notes = [f"Note {conversation}.{k}: the {rng.choice(colours)} {rng.choice(things)} from shelf {rng.randint(1, 99)} "
-             f"was returned on day {rng.randint(1, 365)} with {rng.randint(0, 9)} pages marked." for k in range(62)]
+             f"was returned on day {rng.randint(1, 365)} with {rng.randint(0, 9)} pages marked." for k in range(42)]
     return "Here are the archive's notes for this week.\n" + "\n".join(notes)
 
 
@@ -442,8 +465,25 @@ def prefix_turns(url: str, conversations: int, deadline: float) -> dict:
             "turn2_prompt_tokens": turns["turn2_prompt_tokens"], "turn2_cached_tokens": turns["turn2_cached_tokens"]}
 
 
+def prefix_comparison(pkg: Path, tree: Path, gguf: Path, args: argparse.Namespace) -> dict:
+    """prefix_turns on fresh servers (a cache that the main load filled would
+    slow kvexport's every step: each attends over every cell in use): kvexport
+    with its prefix cache, without it, and llama-server."""
+    servers = {"kvexport_cache_on": kvexport_server(pkg, args),
+               "kvexport_cache_off": kvexport_server(pkg, args, "--prefix-cache-cells", "0"),
+               "llama-server": llama_server(tree, gguf, args)}
+    out = {}
+    for name, server in servers.items():
+        with server:
+            chat(server.url, question(-1), 8, time.monotonic() + 120)  # warm-up, not counted
+            out[name] = prefix_turns(server.url, args.conversations, time.monotonic() + args.deadline)
+    on, off = out["kvexport_cache_on"]["turn2_ttft_ms_median"], out["kvexport_cache_off"]["turn2_ttft_ms_median"]
+    return {**out, "ttft_ratio_off_over_on": round(off / on, 2)}
+
+
 # ------------------------------------------------------------------ soak
 SOAK_CLIENTS, SAMPLE_SECONDS, DROP_SHARE = 32, 10, 0.25
+SOAK_DRAIN_SECONDS = 300  # after SECONDS no request starts; those in flight have this long to finish
 
 
 def soak_client(url: str, seed: int, until: float, outcomes: list[Outcome]) -> None:
@@ -451,12 +491,13 @@ def soak_client(url: str, seed: int, until: float, outcomes: list[Outcome]) -> N
     rng = random.Random(seed)
     filler = history(1000 + seed).split()
     while time.monotonic() < until:
-        words = rng.randint(0, len(filler))  # 0 to ~1,400 prompt tokens beyond the system prompt
+        words = int(len(filler) ** rng.random())  # log-uniform: mostly short, some ~1,250 tokens beyond the system prompt
         messages = question(rng.randrange(1000))
         messages[1]["content"] += " " + " ".join(filler[:words])
         max_tokens = rng.randint(1, 128)
         drop = rng.randint(1, max(max_tokens // 2, 1)) if rng.random() < DROP_SHARE else None
-        outcomes.append(chat(url, messages, max_tokens, until + 120, ignore_eos=rng.random() < 0.5, drop_after=drop))
+        outcomes.append(chat(url, messages, max_tokens, until + SOAK_DRAIN_SECONDS, ignore_eos=rng.random() < 0.5,
+                             drop_after=drop))
 
 
 def soak(server: Server, seconds: float) -> dict:
@@ -472,8 +513,6 @@ def soak(server: Server, seconds: float) -> dict:
                         "cells_in_use": scrape(url).get("kvexport_cells_in_use")})
         print(f"soak: {samples[-1]}", file=sys.stderr, flush=True)
         wait_until(lambda: not any(t.is_alive() for t in clients), SAMPLE_SECONDS)
-    for t in clients:
-        t.join()
     # a dropped request's cells return at the engine's next step: give it a moment
     wait_until(lambda: scrape(url).get("kvexport_cells_in_use") == 0, 30)
     return soak_figures(server, outcomes, samples)
@@ -481,19 +520,27 @@ def soak(server: Server, seconds: float) -> dict:
 
 def soak_figures(server: Server, outcomes: list[Outcome], samples: list[dict]) -> dict:
     metrics = scrape(server.url)
-    after_minute = next((s for s in samples if s["t_s"] >= 60), samples[0])
+    reference = next((s for s in samples if s["t_s"] >= 60), samples[0])
+    # the cell pool doubles when the cells in use outgrow it (runtime/cell_cache.py) and never
+    # shrinks: RSS may step up until the cells in use peak; a leak creeps on after the peak too
+    peak = max(reversed(samples), key=lambda s: s["cells_in_use"] or 0)
     rss_end = server.rss_mb()
-    completed = [o for o in outcomes if not o.dropped]
+    completed = [o for o in outcomes if not (o.dropped or o.timed_out)]
     malformed = [o for o in completed if not o.ok]
     cells = metrics.get("kvexport_cells_in_use")
-    rss_drift = (rss_end - after_minute["rss_mb"]) / after_minute["rss_mb"]
-    return {"requests": len(outcomes), "completed": len(completed), "dropped": len(outcomes) - len(completed),
+    rss_drift = (rss_end - reference["rss_mb"]) / reference["rss_mb"]
+    drift_since_peak = (rss_end - peak["rss_mb"]) / peak["rss_mb"]
+    return {"requests": len(outcomes), "completed": len(completed), "dropped": sum(o.dropped for o in outcomes),
+            "timed_out": sum(o.timed_out for o in outcomes),
             "malformed": len(malformed), "malformed_errors": sorted({o.error for o in malformed})[:5],
             "output_tokens": sum(o.completion_tokens for o in completed),
             "cancelled_by_server": metrics.get("kvexport_requests_cancelled"),
-            "cells_in_use_end": cells, "rss_mb_after_first_minute": after_minute["rss_mb"], "rss_mb_end": round(rss_end, 1),
+            "cells_in_use_end": cells, "rss_mb_after_first_minute": reference["rss_mb"], "rss_mb_end": round(rss_end, 1),
             "rss_drift": round(rss_drift, 4), "samples": samples,
+            "cells_in_use_peak": peak["cells_in_use"], "cells_in_use_peak_t_s": peak["t_s"], "rss_mb_at_cells_peak": peak["rss_mb"],
+            "rss_drift_since_cells_peak": round(drift_since_peak, 4),
             "checks": {"cells_back_to_0": cells == 0, "rss_within_5_percent": abs(rss_drift) <= 0.05,
+                       "rss_within_5_percent_since_cells_peak": abs(drift_since_peak) <= 0.05,
                        "every_completed_response_well_formed": not malformed}}
 
 
@@ -511,13 +558,15 @@ def show(result: dict) -> None:
         r = result.get(name)
         if r:
             lines.append(f"{name:>12}: {r['output_tokens_per_s']:7.1f} tok/s  TTFT p50/p99 {r['ttft_ms_p50']}/{r['ttft_ms_p99']} ms  "
-                         f"ITL p50/p99 {r['itl_ms_p50']}/{r['itl_ms_p99']} ms  ok {r['requests_ok']} failed {r['requests_failed']}")
+                         f"ITL p50/p99 {r['itl_ms_p50']}/{r['itl_ms_p99']} ms  ok {r['requests_ok']} failed {r['requests_failed']}  "
+                         f"(load average {r['load_average_before']})")
     if "throughput_ratio_kvexport_over_llama" in result:
         lines.append(f"throughput kvexport/llama-server: {result['throughput_ratio_kvexport_over_llama']}")
     engine = result.get("kvexport", {}).get("engine")
     if engine:
         lines.append(f"kvexport engine: {engine['engine_ms_per_step']} ms of {engine['engine_ms_per_step'] + engine['model_ms_per_step']:.2f} "
-                     f"ms per step ({engine['engine_fraction_of_step']:.1%}) over {engine['steps']} steps")
+                     f"ms per step ({engine['engine_fraction_of_step']:.1%}) over {engine['steps']} steps; "
+                     f"{engine['cells_in_use_after']} cells in use after the load (the prefix cache's)")
     if "prefix" in result:
         p = result["prefix"]
         lines.append(f"turn-2 TTFT (1,500-token history): cache on {p['kvexport_cache_on']['turn2_ttft_ms_median']} ms, "
@@ -525,8 +574,10 @@ def show(result: dict) -> None:
                      f"llama-server {p.get('llama-server', {}).get('turn2_ttft_ms_median')} ms")
     if "soak" in result:
         s = result["soak"]
-        lines.append(f"soak: {s['requests']} requests ({s['dropped']} dropped, {s['malformed']} malformed), cells in use at the end "
-                     f"{s['cells_in_use_end']}, RSS {s['rss_mb_after_first_minute']} -> {s['rss_mb_end']} MB; checks {s['checks']}")
+        lines.append(f"soak: {s['requests']} requests ({s['completed']} completed, {s['dropped']} dropped, {s['timed_out']} timed out, "
+                     f"{s['malformed']} malformed), cells in use at the end {s['cells_in_use_end']} (peak {s['cells_in_use_peak']} "
+                     f"at {s['cells_in_use_peak_t_s']} s), RSS after the first minute {s['rss_mb_after_first_minute']} MiB, at the peak "
+                     f"{s['rss_mb_at_cells_peak']}, at the end {s['rss_mb_end']}; checks {s['checks']}")
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
@@ -542,35 +593,29 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=3)
     parser.add_argument("--soak", type=float, metavar="SECONDS", help="only the soak of kvexport serve, this long")
     parser.add_argument("--trust-native-code", action="store_true", help="passed to kvexport serve (a --package not trusted here)")
+    parser.add_argument("--omp-passive", action="store_true",
+                        help="OMP_WAIT_POLICY=passive for both servers: on a shared machine spinning threads collapse")
     args = parser.parse_args()
-    trust = ["--trust-native-code"] if args.trust_native_code else []
+    # SIGTERM (and Ctrl-C) unwind through the with blocks, which stop the servers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     pkg = package(args.package)
-    result: dict = {"cpu": cpu_model(), "threads": args.threads, "package": str(pkg)}
+    result: dict = {"cpu": cpu_model(), "threads": args.threads, "omp_passive": args.omp_passive, "package": str(pkg)}
     if args.soak is not None:
-        with kvexport_server(pkg, "--prefix-cache-cells", "0", *trust) as server:
+        with kvexport_server(pkg, args, "--prefix-cache-cells", "0") as server:
             result["soak"] = soak(server, args.soak)
         show(result)
         emit(result)
         return
     tree, gguf = llama_f32(MODEL)
-    prefix = {}
-    with kvexport_server(pkg, *trust) as server:
+    with kvexport_server(pkg, args) as server:
         result["kvexport"] = measure(server, args)
-        if args.prefix_turns:
-            prefix["kvexport_cache_on"] = prefix_turns(server.url, args.conversations, time.monotonic() + args.deadline)
-    if args.prefix_turns:
-        with kvexport_server(pkg, "--prefix-cache-cells", "0", *trust) as server:
-            chat(server.url, question(-1), 8, time.monotonic() + 120)  # warm-up, not counted
-            prefix["kvexport_cache_off"] = prefix_turns(server.url, args.conversations, time.monotonic() + args.deadline)
-    with llama_server(tree, gguf, args.threads) as server:
+    with llama_server(tree, gguf, args) as server:
         result["llama-server"] = measure(server, args)
-        if args.prefix_turns:
-            prefix["llama-server"] = prefix_turns(server.url, args.conversations, time.monotonic() + args.deadline)
     llama_rate = result["llama-server"]["output_tokens_per_s"]
     result["throughput_ratio_kvexport_over_llama"] = round(result["kvexport"]["output_tokens_per_s"] / llama_rate, 3) if llama_rate else None
-    if prefix:
-        on, off = prefix["kvexport_cache_on"]["turn2_ttft_ms_median"], prefix["kvexport_cache_off"]["turn2_ttft_ms_median"]
-        result["prefix"] = {**prefix, "ttft_ratio_off_over_on": round(off / on, 2)}
+    if args.prefix_turns:
+        result["prefix"] = prefix_comparison(pkg, tree, gguf, args)
     show(result)
     emit(result)
 
