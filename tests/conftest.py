@@ -11,7 +11,10 @@ the workers through a locked folder, so no package is exported twice.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,14 +30,49 @@ if WORKER is not None:
     torch.set_num_threads(1)  # two workers on two cores: one thread each, not two fighting for one core
 
 
+GROUPS_FILE = "KVEXPORT_TEST_GROUPS"  # where a worker writes each test's group for the controller's scheduler
+
+
+def test_group(item) -> str:
+    """`compile` for every test that compiles, else the test's module."""
+    return "compile" if item.get_closest_marker("compile") else item.module.__name__
+
+
+def pytest_configure(config):
+    if WORKER is None and getattr(config.option, "numprocesses", None):
+        fd, path = tempfile.mkstemp(prefix="kvexport-test-groups-", suffix=".json")
+        os.close(fd)
+        os.environ[GROUPS_FILE] = path  # the workers, started after this, inherit it
+
+
+def pytest_unconfigure(config):
+    if WORKER is None and os.environ.get(GROUPS_FILE):
+        Path(os.environ.pop(GROUPS_FILE)).unlink(missing_ok=True)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Each test's xdist group: `compile` for every test that compiles, else
-    its module (its module-scoped fixtures then run once). The compile group
-    and the slow modules go first, so the longest units start at once."""
-    for item in items:
-        group = "compile" if item.get_closest_marker("compile") else item.module.__name__
-        item.add_marker(pytest.mark.xdist_group(group))
+    """The compile group and the slow modules go first, so the longest units
+    start at once; the first worker tells the controller each test's group."""
     items.sort(key=lambda item: 0 if item.get_closest_marker("compile") else 1 if item.get_closest_marker("slow") else 2)
+    if WORKER == "gw0" and os.environ.get(GROUPS_FILE):
+        Path(os.environ[GROUPS_FILE]).write_text(json.dumps({item.nodeid: test_group(item) for item in items}))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Whole groups to one worker each (xdist's own loadgroup cannot tag
+    nodeids under this pytest): a group's module-scoped fixtures run once."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                path = Path(os.environ.get(GROUPS_FILE, ""))
+                self.groups = json.loads(path.read_text() or "{}") if path.is_file() else {}
+            return self.groups.get(nodeid) or nodeid.split("::")[0]
+
+    return GroupScheduling(config, log)
 
 
 def shared_folder(tmp_path_factory):
