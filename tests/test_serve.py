@@ -301,17 +301,18 @@ def test_a_client_that_leaves_frees_its_cells(small_server, where):
 
 
 def test_a_full_queue_answers_429_with_retry_after(small_server):
+    client = small_server.client()  # made first: the queue stays full only while the running requests decode
     long = {"prompt": prompt_of(4, seed=2), "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
     running = [open_stream(small_server, long) for _ in range(2)]
     for connection in running:
         connection.getresponse().readline()
     waiting = open_stream(small_server, long)
-    assert wait_for(lambda: small_server.metric("kvexport_queue_depth") == 1)
+    assert wait_for(lambda: small_server.metric("kvexport_queue_depth") == 1, timeout=5)
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model="pkg", prompt=[5], max_tokens=2)
     status, headers, body = small_server.post("/v1/completions", long, key=None)
     assert status == 429 and headers.get("retry-after") == "1"
     assert json.loads(body)["error"]["type"] == "rate_limit_error"
-    with pytest.raises(openai.RateLimitError):
-        small_server.client().completions.create(model="pkg", prompt=[5], max_tokens=2)
     for connection in running + [waiting]:
         connection.close()
     assert wait_for(lambda: small_server.metric("kvexport_cells_in_use") == 0)
