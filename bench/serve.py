@@ -143,12 +143,19 @@ class Server:
         try:
             self._wait_ready()
         except BaseException:
-            self.stop()
+            self.close(report_death=False)  # the error carries the log's tail
             raise
         return self
 
     def __exit__(self, *exc) -> None:
+        self.close(report_death=True)
+
+    def close(self, report_death: bool) -> None:
+        """Stops the server and removes its log (shown first if the server died on its own)."""
+        if report_death and self.process is not None and self.process.poll() is not None:
+            print(f"{self.name} died (exit status {self.process.returncode}):\n{self.tail()}", file=sys.stderr, flush=True)
         self.stop()
+        self.log.unlink(missing_ok=True)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + READY_SECONDS
