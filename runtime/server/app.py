@@ -86,7 +86,7 @@ def create_app(state: ServerState, on_startup: Callable[[], None] | None = None)
         if text is None or not text.has_chat_template:
             raise api.ApiError(400, "this package has no chat template: use /v1/completions", param="messages")
         prompt = await run_in_threadpool(_encode_chat, text, parsed.messages)
-        return await _generate(state, request, parsed, prompt, "chat")
+        return await _generate(state, engine, request, parsed, prompt, "chat")
 
     async def completions(request: Request) -> Response:
         _authorize(state, request)
@@ -98,7 +98,7 @@ def create_app(state: ServerState, on_startup: Callable[[], None] | None = None)
             prompt = await run_in_threadpool(text.encode, parsed.prompt, False)
         else:
             prompt = list(parsed.prompt)
-        return await _generate(state, request, parsed, prompt, "completion")
+        return await _generate(state, engine, request, parsed, prompt, "completion")
 
     async def api_error(request: Request, error: api.ApiError) -> Response:
         return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
@@ -188,8 +188,8 @@ def _encode_chat(text: Text, messages: list[dict]) -> list[int]:
         raise api.ApiError(400, f"the chat template could not render these messages: {e}", param="messages") from None
 
 
-async def _generate(state: ServerState, request: Request, parsed: api.ParsedRequest, prompt: list[int], kind: str) -> Response:
-    engine = state.engine
+async def _generate(state: ServerState, engine: Engine, request: Request, parsed: api.ParsedRequest, prompt: list[int],
+                    kind: str) -> Response:
     max_tokens = parsed.max_tokens if parsed.max_tokens is not None else max(engine.context - len(prompt), 1)
     generation = GenerationRequest(prompt, max_tokens, parsed.sampling, parsed.seed, parsed.n, parsed.stop, parsed.logprobs,
                                    parsed.ignore_eos)
