@@ -132,7 +132,6 @@ class _Job:
     choices: list[_Choice] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens in the cache (cloned or computed)
     cached_tokens: int = 0
-    cancelled: bool = False
     started: bool = False
 
     @property
@@ -198,6 +197,7 @@ class Engine:
         self._stopping = False
         self._waiting: collections.deque[_Job] = collections.deque()
         self._running: list[_Job] = []
+        self._active = 0  # sessions the running jobs hold or will fork (written by the engine thread only)
         self.state_dir, self.package_digest = state_dir, package_digest
         if state_dir is not None and state_dir.is_dir():
             restored = restore_sessions(self.prefix, state_dir, package_digest)
@@ -246,7 +246,9 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
-            if len(self._inbox) + len(self._waiting) >= self.max_queue:
+            # requests the free sessions will take at the next step are not waiting
+            waiting = len(self._inbox) + len(self._waiting) - max(self.max_sessions - self._active, 0)
+            if waiting >= self.max_queue:
                 raise QueueFull(f"{self.max_queue} requests are waiting (this server's --max-queue); retry shortly")
             job = _Job(next(self._ids), request, sink, time.perf_counter())
             self._inbox.append(job)
@@ -306,7 +308,6 @@ class Engine:
                     self._fail(job, "internal error in the engine")
 
     def _cancel(self, job: _Job) -> None:
-        job.cancelled = True
         if job in self._running:
             self._close(job)
         elif job in self._waiting:
@@ -326,6 +327,7 @@ class Engine:
         """Frees a job's sessions that are still live (a cancelled or failed
         job's cells are released, not cached: its tokens may be partial)."""
         self._running.remove(job)
+        self._active -= job.request.n
         for choice in job.choices:
             if choice.session.live:
                 self.prefix.forget(choice.holder)
@@ -344,8 +346,7 @@ class Engine:
         """Starts waiting jobs, first come first served, while sessions and cells allow."""
         while self._waiting:
             job = self._waiting[0]
-            active = sum(j.request.n for j in self._running)
-            if active + job.request.n > self.max_sessions:
+            if self._active + job.request.n > self.max_sessions:
                 return
             while self._free_sequences() < job.request.n and self.prefix.evict_one():
                 pass
@@ -377,6 +378,7 @@ class Engine:
         holder = self.prefix.hold(session, list(request.prompt))
         job.choices = [self._choice(job, 0, holder)]
         self._running.append(job)
+        self._active += request.n
 
     def _choice(self, job: _Job, index: int, holder: Holder) -> _Choice:
         generator = torch.Generator().manual_seed(job.request.seed + index)
@@ -486,5 +488,6 @@ class Engine:
         self.prefix.retire(choice.holder)
         if all(c.finished for c in job.choices) and len(job.choices) == request.n:
             self._running.remove(job)
+            self._active -= request.n
             completion = sum(len(c.output) for c in job.choices)
             job.sink(Done(len(request.prompt), completion, job.cached_tokens))
