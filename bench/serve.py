@@ -42,17 +42,21 @@ carries a ~1,500-token history, one request at a time on fresh servers: turn
 with `--prefix-cache-cells 0`, and their ratio; llama-server's (its own
 prompt cache on) beside them.
 
-`--soak SECONDS` runs only kvexport, with `--prefix-cache-cells 0`: 32
+`--soak SECONDS` runs only kvexport, as a user would (prefix cache on): 32
 clients, random prompt lengths (log-uniform, up to ~1,450 tokens) and
 max_tokens (1-128), a quarter of the requests dropped mid-stream (the socket
-closed); every 10 s the server's RSS (/proc/PID/status VmRSS) and
-kvexport_cells_in_use. No request starts after SECONDS; those in flight have
-300 s more. At the end it checks that the cells in use return to 0, that the
-RSS is within 5% of its value after the first minute, and of its value when
-the cells in use peaked (the cell pool doubles when they outgrow it and never
-shrinks: a step up to the peak is the pool, a creep after it a leak), and that
-every response read to its end was well-formed (JSON chunks, a finish_reason,
-usage that agrees with it, [DONE]).
+closed); every 10 s the server's RSS (/proc/PID/status VmRSS), the cells in
+use and those only the prefix cache holds, and over the last 10 s the mean
+cells a step attended over and the model's time per step token. No request
+starts after SECONDS; those in flight have 300 s more. At the end it checks
+that every cell in use is one the prefix cache keeps (a leaked session's are
+not), that the RSS is within 5% of its value after the first minute and of its
+value when the cells in use peaked (the cell pool doubles when they outgrow it
+and never shrinks: a step up to the peak is the pool, a creep after it a
+leak), that the model's time per step token in the last minute is within 1.5x
+of the second minute's (in the first, cold prompts prefill whole) (steps that attended over every cell the cache keeps
+slowed ~4x as it filled), and that every response read to its end was
+well-formed (JSON chunks, a finish_reason, usage that agrees with it, [DONE]).
 
 `--omp-passive` sets OMP_WAIT_POLICY=passive for both servers: on a machine
 other work keeps busy, OpenMP threads that spin at barriers collapse
@@ -514,15 +518,39 @@ def soak(server: Server, seconds: float) -> dict:
     clients = [threading.Thread(target=soak_client, args=(url, i, until, outcomes), daemon=True) for i in range(SOAK_CLIENTS)]
     for t in clients:
         t.start()
-    samples = []
+    samples, last = [], scrape(url)
     while any(t.is_alive() for t in clients):
-        samples.append({"t_s": round(time.monotonic() - began), "rss_mb": round(server.rss_mb(), 1),
-                        "cells_in_use": scrape(url).get("kvexport_cells_in_use")})
-        print(f"soak: {samples[-1]}", file=sys.stderr, flush=True)
         wait_until(lambda: not any(t.is_alive() for t in clients), SAMPLE_SECONDS)
+        now = scrape(url)
+        samples.append({"t_s": round(time.monotonic() - began), "rss_mb": round(server.rss_mb(), 1),
+                        "cells_in_use": now.get("kvexport_cells_in_use"),
+                        "prefix_cache_cells": now.get("kvexport_prefix_cache_cells"), **step_figures(last, now)})
+        last = now
+        print(f"soak: {samples[-1]}", file=sys.stderr, flush=True)
     # a dropped request's cells return at the engine's next step: give it a moment
-    wait_until(lambda: scrape(url).get("kvexport_cells_in_use") == 0, 30)
+    wait_until(lambda: (m := scrape(url)).get("kvexport_running_requests") == 0
+               and m.get("kvexport_cells_in_use") == m.get("kvexport_prefix_cache_cells"), 30)
     return soak_figures(server, outcomes, samples)
+
+
+def step_figures(before: dict[str, float], after: dict[str, float]) -> dict:
+    """Over what happened between two scrapes: steps, the mean cells a step
+    attended over, and the model's time per step token."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    steps = delta("kvexport_step_seconds_count")
+    if not steps:
+        return {"steps": 0}
+    return {"steps": int(steps), "cells_read_mean": round(delta("kvexport_step_cells_read_sum") / steps, 1),
+            "model_ms_per_token": round(delta("kvexport_step_seconds_sum") * 1000 / delta("kvexport_step_tokens_sum"), 3)}
+
+
+def window_ms_per_token(samples: list[dict]) -> float | None:
+    """Steps' model time per token over samples, weighted by their steps."""
+    timed = [s for s in samples if s.get("steps")]
+    steps = sum(s["steps"] for s in timed)
+    return round(sum(s["model_ms_per_token"] * s["steps"] for s in timed) / steps, 3) if steps else None
 
 
 def soak_figures(server: Server, outcomes: list[Outcome], samples: list[dict]) -> dict:
@@ -534,20 +562,29 @@ def soak_figures(server: Server, outcomes: list[Outcome], samples: list[dict]) -
     rss_end = server.rss_mb()
     completed = [o for o in outcomes if not (o.dropped or o.timed_out)]
     malformed = [o for o in completed if not o.ok]
-    cells = metrics.get("kvexport_cells_in_use")
+    cells, cached = metrics.get("kvexport_cells_in_use"), metrics.get("kvexport_prefix_cache_cells")
     rss_drift = (rss_end - reference["rss_mb"]) / reference["rss_mb"]
     drift_since_peak = (rss_end - peak["rss_mb"]) / peak["rss_mb"]
+    end = samples[-1]["t_s"]
+    # the second minute against the last: in the first, cold prompts prefill whole (cheap tokens)
+    first = window_ms_per_token([s for s in samples if 60 < s["t_s"] <= 120])
+    last = window_ms_per_token([s for s in samples if s["t_s"] > end - 60])
+    slowdown = round(last / first, 2) if first and last else None
     return {"requests": len(outcomes), "completed": len(completed), "dropped": sum(o.dropped for o in outcomes),
             "timed_out": sum(o.timed_out for o in outcomes),
             "malformed": len(malformed), "malformed_errors": sorted({o.error for o in malformed})[:5],
             "output_tokens": sum(o.completion_tokens for o in completed),
             "cancelled_by_server": metrics.get("kvexport_requests_cancelled"),
-            "cells_in_use_end": cells, "rss_mb_after_first_minute": reference["rss_mb"], "rss_mb_end": round(rss_end, 1),
+            "cells_in_use_end": cells, "prefix_cache_cells_end": cached,
+            "rss_mb_after_first_minute": reference["rss_mb"], "rss_mb_end": round(rss_end, 1),
             "rss_drift": round(rss_drift, 4), "samples": samples,
             "cells_in_use_peak": peak["cells_in_use"], "cells_in_use_peak_t_s": peak["t_s"], "rss_mb_at_cells_peak": peak["rss_mb"],
             "rss_drift_since_cells_peak": round(drift_since_peak, 4),
-            "checks": {"cells_back_to_0": cells == 0, "rss_within_5_percent": abs(rss_drift) <= 0.05,
+            "model_ms_per_token_second_minute": first, "model_ms_per_token_last_minute": last, "slowdown_last_over_first": slowdown,
+            "checks": {"cells_in_use_are_the_prefix_caches": cells == cached,
+                       "rss_within_5_percent": abs(rss_drift) <= 0.05,
                        "rss_within_5_percent_since_cells_peak": abs(drift_since_peak) <= 0.05,
+                       "steps_no_slower_than_1.5x": slowdown is not None and slowdown <= 1.5,
                        "every_completed_response_well_formed": not malformed}}
 
 
@@ -582,9 +619,11 @@ def show(result: dict) -> None:
     if "soak" in result:
         s = result["soak"]
         lines.append(f"soak: {s['requests']} requests ({s['completed']} completed, {s['dropped']} dropped, {s['timed_out']} timed out, "
-                     f"{s['malformed']} malformed), cells in use at the end {s['cells_in_use_end']} (peak {s['cells_in_use_peak']} "
+                     f"{s['malformed']} malformed), cells in use at the end {s['cells_in_use_end']}, the prefix cache's "
+                     f"{s['prefix_cache_cells_end']} (peak in use {s['cells_in_use_peak']} "
                      f"at {s['cells_in_use_peak_t_s']} s), RSS after the first minute {s['rss_mb_after_first_minute']} MiB, at the peak "
-                     f"{s['rss_mb_at_cells_peak']}, at the end {s['rss_mb_end']}; checks {s['checks']}")
+                     f"{s['rss_mb_at_cells_peak']}, at the end {s['rss_mb_end']}; model ms per step token, second minute "
+                     f"{s['model_ms_per_token_second_minute']}, last {s['model_ms_per_token_last_minute']}; checks {s['checks']}")
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
@@ -609,7 +648,7 @@ def main() -> None:
     pkg = package(args.package)
     result: dict = {"cpu": cpu_model(), "threads": args.threads, "omp_passive": args.omp_passive, "package": str(pkg)}
     if args.soak is not None:
-        with kvexport_server(pkg, args, "--prefix-cache-cells", "0") as server:
+        with kvexport_server(pkg, args) as server:
             result["soak"] = soak(server, args.soak)
         show(result)
         emit(result)

@@ -3,9 +3,12 @@
 A cell holds one token's K/V in every layer, its position, and the set of
 sequences that own it, kept as a 64-bit mask (so at most 64 sequences live at
 once). Cell 0 is the scratch cell that padding tokens write; it is never
-owned, so no real token attends it. Cells are placed lowest-free first, which
-keeps every live cell below `read_len` and lets each call see only the first
-`read_len` cells of the pools.
+owned, so no real token attends it. Cells are placed lowest-free first, and
+before a step `make_room` moves the step's sequences' cells to the bottom of
+the pools when other cells (another session's, or ones a prefix cache keeps)
+would lie between them: a call sees only the first `read_len(seqs)` cells, so
+its attention cost follows the step's own cells, not everything the pool holds.
+Moving a cell moves its K/V, position and owners; no sequence can tell.
 
 The pools grow on demand (doubling, up to max_cells), so memory follows the
 cells in use; every method always receives views of the same storage.
@@ -64,6 +67,19 @@ def io_buffer(allocator: Allocator, values: torch.Tensor, device: torch.device) 
 def sequence_bit(seq: int) -> int:
     """The int64 value with only bit `seq` set (bit 63 is the sign bit)."""
     return (1 << seq) if seq < 63 else -(1 << 63)
+
+
+def _mask_of(seqs: set[int]) -> int:
+    bits = 0
+    for seq in seqs:
+        bits |= 1 << seq
+    return bits - (1 << 64) if bits >= 1 << 63 else bits  # as a signed int64
+
+
+def _slack(needed: int) -> int:
+    """Cells a step may read past its own before make_room moves cells:
+    moving one costs about what reading one costs on a single step."""
+    return 16 + needed // 16
 
 
 class CellCache:
@@ -234,9 +250,49 @@ class CellCache:
             self.next_pos.update(saved)
             raise
 
-    def read_len(self) -> int:
-        """One past the highest occupied cell; the scratch cell counts."""
-        occupied = torch.nonzero(self.owners).squeeze(1)
+    def make_room(self, seqs: set[int], extra: int) -> int:
+        """Before a step that adds `extra` tokens to `seqs`: when other cells
+        sit among the cells those tokens would see, so much that reading past
+        them costs more than moving them, moves cells so that seqs' cells and
+        `extra` free ones are the lowest above the scratch cell. Returns the
+        number of cells moved. Call check_step first."""
+        bits = _mask_of(seqs)
+        mine = (self.owners & bits) != 0
+        free = self.owners == 0
+        free[SCRATCH_CELL] = False
+        needed = int(mine.sum()) + extra  # the step's cells once it is placed
+        mine_idx = torch.nonzero(mine).squeeze(1)
+        free_idx = torch.nonzero(free).squeeze(1)
+        naive = max(int(mine_idx[-1]) if len(mine_idx) else 0, int(free_idx[extra - 1]) if extra else 0)
+        if naive - needed <= _slack(needed):
+            return 0
+        low = torch.zeros_like(mine)
+        low[SCRATCH_CELL + 1 : needed + 1] = True
+        evict = torch.nonzero(low & ~mine & ~free).squeeze(1)  # others' cells in the room
+        bring = torch.nonzero(~low & mine).squeeze(1)  # the step's cells above it
+        into = torch.nonzero(low & ~mine).squeeze(1)[: len(bring)]  # evicted or free cells in the room
+        away = torch.cat([bring, torch.nonzero(~low & free).squeeze(1)])[: len(evict)]
+        src, dst = torch.cat([evict, bring]), torch.cat([away, into])
+        if len(src):
+            self._move(src, dst)
+        return len(src)
+
+    def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Moves cells src[i] to dst[i] (every dst free or itself in src);
+        sources nobody moves into are freed."""
+        pools = self.views(int(torch.cat([src, dst]).max()) + 1)
+        for pool in pools:
+            pool[dst] = pool[src].clone()
+        owners, positions = self.owners[src].clone(), self.positions[src].clone()
+        self.owners[src] = 0
+        self.owners[dst] = owners
+        self.positions[dst] = positions
+
+    def read_len(self, seqs: set[int] | None = None) -> int:
+        """One past the highest cell that one of `seqs` owns (any sequence when
+        None); the scratch cell counts, so at least 1."""
+        owned = self.owners if seqs is None else self.owners & _mask_of(seqs)
+        occupied = torch.nonzero(owned).squeeze(1)
         return int(occupied[-1]) + 1 if len(occupied) else SCRATCH_CELL + 1
 
     def masks(self, seq_bits: torch.Tensor, positions: torch.Tensor, n_cells: int) -> list[torch.Tensor]:

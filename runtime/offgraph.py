@@ -87,6 +87,7 @@ class OffgraphKVManager(IOManager):
         dtype = getattr(torch, mf.TORCH_DTYPE_NAMES[md["dtype"]])
         self.device = torch.device(package.device)
         self.allocator = allocator
+        self.cells_read = 0  # the C of the last step's calls: the cells they attended over
         self.cache = CellCache(
             geometry, max_cells or package_cells, dtype, md["get_max_context_len"], device=self.device, allocator=allocator
         )
@@ -150,7 +151,8 @@ class OffgraphKVManager(IOManager):
         """Runs one batch. Returns, per entry, the logits [V] (float32) of its
         last token if it wants them, else None. A refused batch raises
         before any state changes."""
-        self._validate(entries)
+        counts = self._validate(entries)
+        self.cache.make_room(set(counts), sum(counts.values()))
         seqs, token_ids, selected = [], [], []
         for entry in entries:
             seqs += [entry.session.seq] * len(entry.tokens)
@@ -169,7 +171,7 @@ class OffgraphKVManager(IOManager):
         selected: list[int],
     ) -> dict[int, torch.Tensor]:
         bits = torch.tensor([sequence_bit(s) for s in seqs], dtype=torch.int64)
-        n_cells = self.cache.read_len()
+        n_cells = self.cells_read = self.cache.read_len(set(seqs))
         pools = self.cache.views(n_cells)
         out: dict[int, torch.Tensor] = {}
         for piece in self.plan(len(seqs)):

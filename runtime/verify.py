@@ -28,7 +28,7 @@ def method_logits(runtime: OffgraphKVManager, method: str, prefix: Sequence[int]
         cache = runtime.cache
         cache.check_step({session.seq: len(tokens)})
         cells, positions = cache.place([session.seq] * len(tokens))
-        n_cells = cache.read_len()
+        n_cells = cache.read_len({session.seq})
         masks = cache.masks(torch.full((len(tokens),), sequence_bit(session.seq)), positions, n_cells)
         with torch.inference_mode():
             inputs = ForwardInputs(

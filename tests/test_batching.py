@@ -251,3 +251,29 @@ def test_token_ids_of_other_integer_types(tiny_runtime):
     assert torch.equal(a, b)
     with pytest.raises(RuntimeRefusal, match="must be integers"):
         runtime.step([StepEntry(other, [5.0])])
+
+
+@pytest.mark.parametrize("model", TINY)
+def test_a_step_reads_its_own_cells_not_those_others_keep(model, tiny_runtime):
+    """A session kept alive below a decoding one (as a prefix cache keeps
+    sessions) is moved out of the way: the decoding session's calls read
+    about its own cells, and both still continue as they would alone."""
+    kept_prompt, prompt = prompt_of(100, seed=30), prompt_of(10, seed=31)
+    runtime = tiny_runtime(model)
+    kept = runtime.new_session()
+    [kept_logits] = runtime.step([StepEntry(kept, kept_prompt)])
+    session = runtime.new_session()
+    widths = []
+    original = runtime.package.run
+
+    def run(name, *args):
+        widths.append(int(args[-1].shape[-1]))  # a mask is [T, C]: C cells read
+        return original(name, *args)
+
+    runtime.package = _Proxy(runtime.package, lambda name: lambda *args: run(name, *args))
+    out = greedy_loop(runtime, [(session, prompt)], 8)[0]
+    assert out == solo(tiny_runtime, model, prompt, 8)
+    assert max(widths) <= 1 + 17 + 16 + 1, widths  # scratch + its 17 cells + slack, never the kept 100
+    runtime.package = runtime.package._inner
+    first = int(kept_logits.argmax())
+    assert [first] + greedy_loop(runtime, [(kept, [first])], 5)[0] == solo(tiny_runtime, model, kept_prompt, 6)

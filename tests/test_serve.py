@@ -248,9 +248,13 @@ def test_metrics_report_tokens_and_latencies(server):
     text = body.decode()
     for name in ("kvexport_requests_total", "kvexport_generation_tokens_total", "kvexport_queue_depth", "kvexport_cells_in_use",
                  "kvexport_prefix_cache_hits", "kvexport_step_seconds_bucket", "kvexport_time_to_first_token_seconds_bucket",
-                 "kvexport_inter_token_latency_seconds_bucket", "kvexport_engine_overhead_seconds_bucket"):
+                 "kvexport_inter_token_latency_seconds_bucket", "kvexport_engine_overhead_seconds_bucket",
+                 "kvexport_step_cells_read_bucket", "kvexport_cells_allocated"):
         assert name in text, name
     assert server.metric("kvexport_generation_tokens_total") > 0
+    # once nothing runs, every cell in use is one the prefix cache keeps
+    assert wait_for(lambda: server.metric("kvexport_running_requests") == 0)
+    assert wait_for(lambda: server.metric("kvexport_prefix_cache_cells") == server.metric("kvexport_cells_in_use") > 0)
 
 
 # ------------------------------------------- cancellation, overload, SIGTERM

@@ -53,12 +53,17 @@ class ServerState:
         m.watch("kvexport_queue_depth", "Requests waiting to start", lambda: engine.queue_depth)
         m.watch("kvexport_running_requests", "Requests prefilling or decoding", lambda: engine.running)
         m.watch("kvexport_cells_in_use", "Cells of the pool owned by any session", engine.cells_in_use)
-        m.watch("kvexport_cells_total", "Cells of the pool (the scratch cell excluded)", lambda: engine.manager.cache.max_cells - 1)
+        m.watch("kvexport_cells_total", "Cells the pool may grow to (the scratch cell excluded)",
+                lambda: engine.manager.cache.max_cells - 1)
+        m.watch("kvexport_cells_allocated", "Cells the pool holds memory for now (it doubles as needed, never shrinks)",
+                lambda: engine.manager.cache.capacity)
         m.watch("kvexport_requests_cancelled", "Requests cancelled before they finished (the client left)",
                 lambda: engine.cancelled)
         m.watch("kvexport_prefix_cache_queries", "Prompts looked up in the prefix cache", lambda: engine.prefix.queries)
         m.watch("kvexport_prefix_cache_hits", "Prompts that reused cached cells", lambda: engine.prefix.hits)
-        m.watch("kvexport_prefix_cache_entries", "Sessions kept by the prefix cache", lambda: engine.prefix.cached_count)
+        m.watch("kvexport_prefix_cache_entries", "Sessions kept by the prefix cache", lambda: engine.cached_entries)
+        m.watch("kvexport_prefix_cache_cells", "Cells only the prefix cache holds (freed when they are needed)",
+                lambda: engine.cached_cells)
 
 
 class _ClientGone(Exception):

@@ -163,6 +163,7 @@ class StepStats:
     decodes: int
     model_seconds: float  # the step and sampling
     own_seconds: float  # scheduling, detokenizing, stop strings, events
+    cells_read: int  # cells each call of the step attended over (its C)
 
 
 class Engine:
@@ -202,6 +203,7 @@ class Engine:
         if state_dir is not None and state_dir.is_dir():
             restored = restore_sessions(self.prefix, state_dir, package_digest)
             log.info("restored %d cached sessions from %s", restored, state_dir)
+        self._note_cache()
         self._thread = threading.Thread(target=self._loop, name="kvexport-engine", daemon=True)
         self._thread.start()
 
@@ -306,6 +308,13 @@ class Engine:
                 log.exception("the engine failed; failing every request")
                 for job in list(self._running) + list(self._waiting):
                     self._fail(job, "internal error in the engine")
+            self._note_cache()
+
+    def _note_cache(self) -> None:
+        """What the prefix cache holds, for the metrics: another thread must
+        not walk the holders while this one changes them."""
+        self.cached_entries = self.prefix.cached_count
+        self.cached_cells = self.prefix.cached_only_cells()
 
     def _cancel(self, job: _Job) -> None:
         if job in self._running:
@@ -440,7 +449,7 @@ class Engine:
                 self._deliver(job, choice, token, lp, now)
         if self.on_step is not None:
             own = time.perf_counter() - began - model_seconds
-            self.on_step(StepStats(tokens, decodes, model_seconds, own))
+            self.on_step(StepStats(tokens, decodes, model_seconds, own, self.manager.cells_read))
 
     def _fork(self, job: _Job) -> None:
         """n > 1: the other choices clone the prompt's cells (nothing is copied)."""

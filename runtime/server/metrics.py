@@ -30,6 +30,9 @@ class Metrics:
                                          buckets=LATENCY_BUCKETS, registry=registry)
         self.step_tokens = Histogram("kvexport_step_tokens", "Tokens packed into one step",
                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096), registry=registry)
+        self.cells_read = Histogram("kvexport_step_cells_read",
+                                    "Cells one step's calls attend over: the step's sessions' cells, not the whole pool",
+                                    buckets=(16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768), registry=registry)
         self.ttft = Histogram("kvexport_time_to_first_token_seconds", "From arrival to a choice's first token",
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.itl = Histogram("kvexport_inter_token_latency_seconds", "Between a choice's consecutive tokens",
@@ -50,6 +53,7 @@ class Metrics:
         self.step_seconds.observe(stats.model_seconds)
         self.engine_overhead.observe(stats.own_seconds)
         self.step_tokens.observe(stats.tokens)
+        self.cells_read.observe(stats.cells_read)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

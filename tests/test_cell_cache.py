@@ -1,0 +1,61 @@
+"""The cell cache's bookkeeping, without a model: make_room moves cells so a
+step reads its own, and no sequence can tell (runtime/cell_cache.py)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from kvexport.contract.manifest import CacheGeometry
+from kvexport.runtime.cell_cache import SCRATCH_CELL, CellCache
+
+
+def contents(cache: CellCache) -> dict[int, list[tuple[int, float]]]:
+    """Each live sequence's (position, K value) pairs in position order."""
+    out = {}
+    for seq in cache.next_pos:
+        owned = torch.nonzero((cache.owners & (1 << seq)) != 0).squeeze(1)
+        pairs = [(int(cache.positions[c]), float(cache.pools[0][c, 0, 0])) for c in owned]
+        out[seq] = sorted(pairs)
+    return out
+
+
+def test_make_room_keeps_every_sequence_and_packs_the_steps_cells_low():
+    rng = random.Random(0)
+    cache = CellCache(CacheGeometry((1, 1), (2, 2), (0, 0)), max_cells=400, dtype=torch.float32,
+                      max_context_len=300, initial_cells=8)
+    stamp = 1.0
+    moved_total = 0
+    for _ in range(300):
+        live = list(cache.next_pos)
+        action = rng.random()
+        if action < 0.15 or not live:
+            if len(live) < 10:
+                cache.new_sequence()
+            continue
+        if action < 0.25:
+            seq = rng.choice(live)
+            if rng.random() < 0.5:
+                cache.release(seq)
+            elif len(live) < 10:
+                cache.clone(seq, rng.randint(0, cache.next_pos[seq]))
+            continue
+        step = rng.sample(live, rng.randint(1, min(3, len(live))))
+        counts = {seq: rng.randint(1, 12) for seq in step}
+        if any(cache.next_pos[s] + n > 300 for s, n in counts.items()) or sum(counts.values()) > cache.free_cells:
+            continue
+        cache.check_step(counts)
+        before = contents(cache)
+        moved_total += cache.make_room(set(counts), sum(counts.values()))
+        assert contents(cache) == before  # moving is invisible to every sequence
+        seqs = [s for s, n in counts.items() for _ in range(n)]
+        cells, _ = cache.place(seqs)
+        pools = cache.views(cache.read_len(set(counts)))
+        for cell in cells.tolist():
+            pools[0][cell, 0, 0] = stamp
+            stamp += 1
+        assert int(cache.owners[SCRATCH_CELL]) == 0
+        own = int(((cache.owners & sum(1 << s for s in counts)) != 0).sum())
+        assert cache.read_len(set(counts)) <= 1 + own + 16 + own // 16  # read: scratch, own cells, slack
+    assert moved_total > 0
