@@ -7,6 +7,7 @@ an AVX-512 machine too), against torch's own kernels."""
 from __future__ import annotations
 
 import ctypes
+import re
 
 import pytest
 import torch
@@ -43,7 +44,8 @@ class Shims:
         kernel = next(k for k in KERNELS if k.name == name)
         function = getattr(self.library, kernel.shim_symbol)
         function.restype = ctypes.c_int32
-        function.argtypes = [ctypes.c_double if p.startswith("double") else ctypes.c_void_p for p in kernel.shim]
+        scalars = {"double": ctypes.c_double, "int64_t": ctypes.c_int64}
+        function.argtypes = [scalars.get(p.split()[0], ctypes.c_void_p) for p in kernel.shim]
         function.argtypes += [ctypes.POINTER(ctypes.c_void_p)]
         handles = [self._handle(o) if isinstance(o, torch.Tensor) else o for o in operands]
         result = ctypes.c_void_p()
@@ -92,6 +94,21 @@ def test_rows_linear(isa, shims, rows, out_features, width, row_stride):
     out = torch.full((rows, out_features), float("nan"))
     torch.testing.assert_close(build.rows_linear(x, weight, out=out, isa=isa), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(shims.call("rows_linear", x, weight), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,out_features,width,row_stride", [c for c in ROWS_CASES if c[0] in (1, 3, 8, 9, 16)])
+def test_rows_linear_reads_bf16_weights(isa, shims, rows, out_features, width, row_stride):
+    """A bf16 weight multiplies in fp32 exactly as its fp32 widening would;
+    the shim takes bf16 rows and rounds the result to bf16 as torch does."""
+    x, weight = rows_operands(rows, out_features, width, row_stride)
+    weight = weight.bfloat16()
+    out = torch.full((rows, out_features), float("nan"))
+    assert_float_sum(build.rows_linear(x, weight, out=out, isa=isa), x, weight.double())
+    x16 = x.bfloat16()
+    got = shims.call("rows_linear", x16, weight)
+    want = torch.nn.functional.linear(x16.float(), weight.float())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=8e-3, atol=1e-2)
 
 
 # ------------------------------------------------------ masked attention
@@ -145,11 +162,77 @@ def test_softmax_holds_for_large_and_distant_scores(isa):
     torch.testing.assert_close(build.masked_attention(query, key, value, mask, 1.0, isa=isa), want)
 
 
+# --------------------------------------------------------- packed linear
+def packed_operands(bits: int, rows: int, out_features: int, width: int, groups: int, row_stride: int = 0):
+    """x, and a packed weight of random codes (every code value, 0 and the top
+    included) with random scales and offsets, as passes/packed_weights.py
+    stores them; plus the weight in float64."""
+    from kvexport.passes.packed_weights import pack, pad_rows
+
+    g = torch.Generator().manual_seed(bits * 7919 + rows * 1000 + out_features + width + groups)
+    x = torch.randn(rows, row_stride or width, generator=g)[:, :width]
+    codes = torch.randint(0, 1 << bits, (out_features, width), generator=g, dtype=torch.uint8)
+    codes[0, :2] = torch.tensor([0, (1 << bits) - 1], dtype=torch.uint8)
+    scale, offset = torch.rand(out_features, groups, generator=g) + 0.01, torch.randn(out_features, groups, generator=g)
+    size = width // groups
+    weight = (codes.double().reshape(out_features, groups, size) * scale.double()[..., None]
+              + offset.double()[..., None]).reshape(out_features, width)
+    return x, pack(codes, bits), pad_rows(scale, bits), pad_rows(offset, bits), weight
+
+
+# row counts over and under a register tile, weight rows not a multiple of the
+# lanes (padding rows) or of a thread's band, per-row and grouped scales, strided rows
+PACKED_CASES = [(b, r, n, k, gr, 0) for b in (4, 8) for r in (1, 2, 3, 4, 5, 8, 9, 16)
+                for n, k, gr in ((64, 64, 2), (131, 72, 1), (5, 16, 2), (33, 576, 18))]
+PACKED_CASES += [(4, 6, 40, 64, 8, 100), (8, 3, 9, 8, 1, 12), (4, 1, 1, 32, 1, 0)]
+
+
+@pytest.mark.parametrize("bits,rows,out_features,width,groups,row_stride", PACKED_CASES)
+def test_packed_linear(isa, shims, bits, rows, out_features, width, groups, row_stride):
+    x, words, scale, offset, weight = packed_operands(bits, rows, out_features, width, groups, row_stride)
+    out = torch.full((rows, out_features), float("nan"))
+    got = build.packed_linear(x, words, scale, offset, bits, out_features, out=out, isa=isa)
+    assert_float_sum(got, x, weight)
+    assert_float_sum(shims.call("packed_linear", x, words, scale, offset, bits, out_features), x, weight)
+
+
+def assert_float_sum(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """got is x @ weight.T (float64) up to fp32 rounding: within 1e-6 of the
+    sum of the products' magnitudes (a few ulps of each term, summed)."""
+    want = x.double() @ weight.T
+    bound = 1e-6 * (x.double().abs() @ weight.abs().T) + 1e-6
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    excess = (got.double() - want).abs() - bound
+    assert excess.max() <= 0, f"off by {(got.double() - want).abs().max():.3g} at {divmod(int(excess.argmax()), got.shape[1])}"
+
+
+def test_the_packed_op_is_its_decomposition():
+    """kvexport::packed_linear's eager form (what tracing and the reference
+    run) is the stored dequantization and a linear."""
+    from kvexport.partitioners.aoti.passes.packed_linear import packed_linear
+
+    x, words, scale, offset, weight = packed_operands(4, 3, 40, 64, 2)
+    assert_float_sum(packed_linear(x, words, scale, offset, 4, 40), x, weight)
+
+
 # ------------------------------------------------------------ refusals
+def _packed(bits=4, groups=2, width=64, words_dtype=torch.int32, rows=40):
+    x, words, scale, offset, _ = packed_operands(4, 2, 40, 64, 2)
+    if width != 64:
+        x = torch.randn(2, width)
+        words = torch.zeros(words.shape[0], width, dtype=torch.int32)
+    return x, words.to(words_dtype), scale[:, :groups].contiguous(), offset[:, :groups].contiguous(), bits, rows
+
+
 REFUSED = [
+    ("packed_linear", lambda: _packed(bits=3), "bits must be 4 or 8|of 4 or 8 bits"),
+    ("packed_linear", lambda: _packed(words_dtype=torch.int64), "words int32|int32 words"),
+    ("packed_linear", lambda: _packed(width=60, groups=1), "multiple of 8 \\* groups"),
+    ("packed_linear", lambda: _packed(rows=41), "rows must be within|rows <= lanes"),
     ("rows_linear", lambda: (torch.randn(2, 8), torch.randn(4, 9)), "weight must be \\[N, K\\]"),
     ("rows_linear", lambda: (torch.randn(2, 8), torch.randn(8, 4).t()), "unit stride along K"),
     ("rows_linear", lambda: (torch.randn(2, 8).double(), torch.randn(4, 8).double()), "float32"),
+    ("rows_linear", lambda: (torch.randn(2, 8).bfloat16(), torch.randn(4, 8)), "both be float32 or both bfloat16"),
     ("masked_attention", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8),
                                   torch.ones(2, 4, dtype=torch.bool), 1.0), "mask must be \\[T, C\\]"),
     ("masked_attention", lambda: (torch.randn(1, 4, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8),
@@ -168,7 +251,9 @@ def test_operands_the_kernels_cannot_read_are_refused_with_the_reason(shims, cap
         getattr(build, name)(*operands())
     with pytest.raises(ValueError, match="refused"):
         shims.call(name, *operands())
-    assert f"kvexport {name}: refused its operands" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert f"kvexport {name}: refused its operands" in err
+    assert re.search(why, err), err
 
 
 def test_the_signatures_are_declared_once_and_compiled_against():
@@ -178,7 +263,8 @@ def test_the_signatures_are_declared_once_and_compiled_against():
 
     header = build.header()
     for kernel in KERNELS:
-        assert kernel.math_declaration() in header and kernel.shim_declaration() in header
+        assert kernel.math_declaration() in header
+        assert kernel.shim is None or kernel.shim_declaration() in header
     for source in Path(build.__file__).parent.glob("*.cpp"):
         assert 'extern "C" void' not in source.read_text(), source.name
 

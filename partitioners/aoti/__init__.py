@@ -22,41 +22,46 @@ class AotiOptions(BackendOptions):
     # static row counts whose fp32 products and attention run on kvexport's
     # kernels (kernels/probe.py decides them once per machine for auto)
     kernel_rows: tuple[int, ...] = ()
+    # static row counts whose products by packed weights run on the packed kernel
+    packed_rows: tuple[int, ...] = ()
 
 
 def _check_spec(spec) -> None:
     if spec.row_kernel not in KERNEL_MODES:
         raise SpecError(f"--row-kernel must be one of {', '.join(KERNEL_MODES)}, got {spec.row_kernel!r}")
+    if spec.packed_kernel not in ("on", "off"):
+        raise SpecError(f"--packed-kernel must be on or off, got {spec.packed_kernel!r}")
 
 
 def _configure(spec) -> AotiOptions:
     import torch
 
-    from kvexport.partitioners.aoti.kernels.probe import kernel_rows
+    from kvexport.partitioners.aoti.kernels.probe import kernel_rows, packed_rows
 
     if spec.device == "cuda" and not torch.cuda.is_available():
         raise ExportError("--device cuda needs a CUDA GPU, and torch sees none on this machine")
-    rows = kernel_rows(spec.device, spec.row_kernel)
-    if rows:
+    rows, packed = kernel_rows(spec.device, spec.row_kernel), packed_rows(spec.device, spec.packed_kernel)
+    if rows or packed:
         from kvexport.partitioners.aoti.kernels.build import archive_dir
 
         archive_dir()  # built (once per machine) before any work, so a missing compiler fails first
     # one compile process per core, and no more than there are methods
     methods = len(spec.forward_sizes) + 1
     workers = spec.compile_workers or min(os.cpu_count() or 1, methods)
-    return AotiOptions(spec.device, workers, rows)
+    return AotiOptions(spec.device, workers, rows, packed)
 
 
 def _partitioners(options: AotiOptions) -> list:
     from kvexport.partitioners.aoti.partitioner import AotiPartitioner
 
-    return [AotiPartitioner(options.device, kernel_rows=options.kernel_rows)]
+    return [AotiPartitioner(options.device, kernel_rows=options.kernel_rows, packed_rows=options.packed_rows)]
 
 
 def _manifest_entry(options: AotiOptions) -> dict:
     from kvexport.partitioners.aoti.partitioner import compile_target
 
-    return {"target": compile_target(options.device) | {"fp32_kernel_rows": list(options.kernel_rows)}}
+    return {"target": compile_target(options.device) | {"fp32_kernel_rows": list(options.kernel_rows),
+                                                        "packed_kernel_rows": list(options.packed_rows)}}
 
 
 def _compile(ctx: CompileContext) -> dict[str, str]:
@@ -66,14 +71,16 @@ def _compile(ctx: CompileContext) -> dict[str, str]:
     from kvexport.partitioners.aoti.kernels.build import archive_dir
 
     options: AotiOptions = ctx.options
-    rows = options.kernel_rows
-    archive = archive_dir() if rows else None
+    rows, packed = options.kernel_rows, options.packed_rows
+    archive = archive_dir() if rows or packed else None
     if rows:
         ctx.progress(f"kvexport's kernels for fp32 products and attention over {','.join(map(str, rows))} rows: {archive}")
+    if packed:
+        ctx.progress(f"kvexport's kernel for products by packed weights over {packed[0]}..{packed[-1]} rows")
     jobs = [
         CompileJob(name, ctx.root / entry["program"], ctx.weights, ctx.bindings[name], ctx.aliases, entry["inputs"],
                    ctx.root / program_path(name, compiled=True), options.device, entry.get("state", []),
-                   rows, archive)
+                   rows, archive, packed)
         for name, entry in ctx.methods.items()
     ]
     compile_methods(jobs, options.compile_workers, ctx.progress)
@@ -83,7 +90,7 @@ def _compile(ctx: CompileContext) -> dict[str, str]:
 def _compile_passes(options: AotiOptions) -> list:
     from kvexport.partitioners.aoti.passes import compile_passes
 
-    return compile_passes(options.kernel_rows)
+    return compile_passes(options.kernel_rows, options.packed_rows)
 
 
 register_backend(

@@ -52,6 +52,7 @@ class CompileJob:
     state: tuple = ()  # runtime-owned buffers (ingraph_kv's cache): zeros stand in while compiling
     kernel_rows: tuple = ()  # fp32 linears and attention over these static row counts call kvexport's kernels
     kernel_archive: Path | None = None  # the folder of kvexport's kernels' static library (kernels/build.py)
+    packed_rows: tuple = ()  # products by packed weights over these static row counts call the packed kernel
 
 
 def compile_one(job: CompileJob) -> tuple[str, float]:
@@ -95,12 +96,12 @@ def compile_one(job: CompileJob) -> tuple[str, float]:
     program = torch_compat.graph_from_json(gzip.decompress(job.graph.read_bytes()), state, constants)
     program.example_inputs = (tuple(t.to(job.device) for t in example_inputs(job.inputs)), {})
     configs = dict(INDUCTOR_CONFIGS)
-    if job.kernel_rows:
+    if job.kernel_rows or job.packed_rows:
         from kvexport.partitioners.aoti.kernels.build import inductor_configs
         from kvexport.partitioners.aoti.passes import compile_passes
         from kvexport.passes.base import run_passes
 
-        run_passes(program.graph_module, compile_passes(job.kernel_rows), job.method)
+        run_passes(program.graph_module, compile_passes(job.kernel_rows, job.packed_rows), job.method)
         configs |= inductor_configs()
     with compile_directory(job.method) as directory, temporary_cache_dir(str(directory)), _library_path(job.kernel_archive):
         torch._inductor.aoti_compile_and_package(program, package_path=str(job.output), inductor_configs=configs)

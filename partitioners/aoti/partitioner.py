@@ -8,6 +8,7 @@ from __future__ import annotations
 import platform
 
 import torch
+import torch.fx
 
 from kvexport.partitioners.portable.partitioner import PortablePartitioner
 from kvexport.passes.base import Pass
@@ -40,16 +41,35 @@ class AotiPartitioner(PortablePartitioner):
 
     backend_id = "aoti"
 
-    def __init__(self, device: str = "cpu", kernel_rows: tuple[int, ...] = ()):
+    def __init__(self, device: str = "cpu", kernel_rows: tuple[int, ...] = (), packed_rows: tuple[int, ...] = ()):
         self.device = device
         # fp32 products over these static row counts stay linears here: the
         # compile gives them to the row kernel (passes/rows_linear.py)
         self.kernel_rows = tuple(kernel_rows)
+        # products by packed weights over these stay a dequantization and a
+        # linear: the compile gives them to the packed kernel (passes/packed_linear.py)
+        self.packed_rows = tuple(packed_rows)
 
     def packed_kernel_passes(self) -> list[Pass]:
-        return [FusedPackedLinearPass()] if self.device == "cpu" else []
+        return [FusedPackedLinearPass(skip_rows=self.packed_rows)] if self.device == "cpu" else []
 
     def kernel_choice_passes(self) -> list[Pass]:
         if self.device != "cpu":
             return super().kernel_choice_passes()
-        return [FusedDequantizeMatmulPass(), WeightStationaryLinearPass(skip_rows=self.kernel_rows)]
+        return [FusedDequantizeMatmulPass(), _LeavePackedProducts(self.packed_rows, skip_rows=self.kernel_rows)]
+
+
+class _LeavePackedProducts(WeightStationaryLinearPass):
+    """The weight-stationary layout for fp32 linears, except products by a
+    packed weight over the packed kernel's row counts: the compile must find
+    those as linears (passes/packed_linear.py)."""
+
+    def __init__(self, packed_rows: tuple[int, ...], skip_rows: tuple[int, ...]):
+        super().__init__(skip_rows=skip_rows)
+        self.packed_rows = frozenset(packed_rows)
+
+    def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+        from kvexport.partitioners.aoti.passes.packed_linear import packed_weight
+
+        return [n for n in super().candidates(graph_module)
+                if not (self.parts(n)[5] in self.packed_rows and packed_weight(self.parts(n)[1]) is not None)]

@@ -30,10 +30,18 @@ import tempfile
 from pathlib import Path
 
 from kvexport.contract.errors import ExportError
-from kvexport.partitioners.aoti.kernels.signatures import KERNELS, MASKED_ATTENTION, ROWS_LINEAR, header
+from kvexport.partitioners.aoti.kernels.signatures import (
+    KERNELS,
+    MASKED_ATTENTION,
+    PACKED_LINEAR,
+    ROWS_LINEAR,
+    ROWS_LINEAR_BF16,
+    SHIMMED,
+    header,
+)
 
 HERE = Path(__file__).parent
-MATH = (HERE / "rows_linear.cpp", HERE / "masked_attention.cpp")
+MATH = (HERE / "rows_linear.cpp", HERE / "masked_attention.cpp", HERE / "packed_linear.cpp")
 SHIMS = HERE / "shims.cpp"
 FILES = (*MATH, SHIMS, HERE / "vec.h", HERE / "signatures.py")  # everything a build reads
 LIBRARY = "kvexport_kernels"
@@ -55,7 +63,7 @@ def inductor_configs() -> dict:
 
     import kvexport.partitioners.aoti.passes  # noqa: F401  (registers the kvexport:: ops)
 
-    shims = {getattr(torch.ops.kvexport, kernel.name).default: [kernel.shim_declaration()] for kernel in KERNELS}
+    shims = {getattr(torch.ops.kvexport, kernel.name).default: [kernel.shim_declaration()] for kernel in SHIMMED}
     return {"aot_inductor.custom_ops_to_c_shims": shims, "aot_inductor.custom_op_libs": [LIBRARY]}
 
 
@@ -65,18 +73,20 @@ def archive_dir() -> Path:
 
 
 def rows_linear(x, weight, out=None, isa: str | None = None):
-    """x [M, K] (unit stride along K) @ weight [N, K] (contiguous).T on the
-    rows_linear kernel (built for `isa`, inductor's by default), into out
-    [M, N] (contiguous) when given."""
+    """fp32 x [M, K] (unit stride along K) @ weight [N, K] (contiguous, fp32
+    or bf16).T on the rows_linear kernel (built for `isa`, inductor's by
+    default), into fp32 out [M, N] (contiguous) when given."""
     import torch
 
     (m, k), n = x.shape, weight.shape[0]
     out = x.new_empty(m, n) if out is None else out
-    if not (x.dtype == weight.dtype == out.dtype == torch.float32 and weight.shape[1] == k and x.stride(1) == 1
-            and weight.is_contiguous() and out.is_contiguous() and tuple(out.shape) == (m, n)):
-        raise ValueError("rows_linear takes fp32 x [M, K] with unit stride along K, a contiguous weight [N, K] "
-                         "and out [M, N]")
-    shared_kernel(isa)[ROWS_LINEAR.name](x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), m, n, k)
+    if not (x.dtype == out.dtype == torch.float32 and weight.dtype in (torch.float32, torch.bfloat16)
+            and weight.shape[1] == k and x.stride(1) == 1 and weight.is_contiguous() and out.is_contiguous()
+            and tuple(out.shape) == (m, n)):
+        raise ValueError("rows_linear takes fp32 x [M, K] with unit stride along K, a contiguous fp32 or bf16 "
+                         "weight [N, K] and fp32 out [M, N]")
+    kernel = ROWS_LINEAR if weight.dtype == torch.float32 else ROWS_LINEAR_BF16
+    shared_kernel(isa)[kernel.name](x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), m, n, k)
     return out
 
 
@@ -100,6 +110,30 @@ def masked_attention(query, key, value, mask, scale: float, out=None, isa: str |
         query.data_ptr(), query.stride(1), query.stride(2), key.data_ptr(), key.stride(1), key.stride(2),
         value.data_ptr(), value.stride(1), value.stride(2), mask.data_ptr(), mask.stride(0), mask.stride(1),
         out.data_ptr(), heads, kv_heads, rows, cells, dim, scale)
+    return out
+
+
+def packed_linear(x, words, scale, offset, bits: int, rows: int, out=None, isa: str | None = None):
+    """x [M, K] (unit stride along K) times the packed weight (words int32
+    [R, K] of 32 / bits lanes, scale and offset fp32 [lanes * R, groups],
+    passes/packed_weights.py) transposed, its first `rows` rows, on the
+    packed_linear kernel (built for `isa`), into out [M, rows] when given."""
+    import torch
+
+    (m, k), (r, width) = x.shape, words.shape
+    lanes = 32 // bits if bits in (4, 8) else 0
+    groups = scale.shape[1] if scale.dim() == 2 else 0
+    out = x.new_empty(m, rows) if out is None else out
+    if not (lanes and x.dtype == scale.dtype == offset.dtype == out.dtype == torch.float32 and words.dtype == torch.int32
+            and width == k and x.stride(1) == 1 and words.is_contiguous() and scale.is_contiguous()
+            and offset.is_contiguous() and tuple(scale.shape) == tuple(offset.shape) == (lanes * r, groups)
+            and groups and k % (8 * groups) == 0 and 0 < rows <= lanes * r
+            and out.is_contiguous() and tuple(out.shape) == (m, rows)):
+        raise ValueError("packed_linear takes fp32 x [M, K] with unit stride along K, contiguous int32 words [R, K] "
+                         "of 4 or 8 bits, fp32 scale and offset [lanes * R, groups] with K a multiple of 8 * groups, "
+                         "1 <= rows <= lanes * R and out [M, rows]")
+    shared_kernel(isa)[PACKED_LINEAR.name](x.data_ptr(), x.stride(0), words.data_ptr(), scale.data_ptr(),
+                                            offset.data_ptr(), out.data_ptr(), m, rows, k, r, groups, bits)
     return out
 
 

@@ -35,6 +35,17 @@ MODES = ("auto", "on", "off")
 _UNBUILT: set[Path] = set()  # probes whose kernels failed to build in this process: not retried until the next
 
 
+def packed_rows(device: str, mode: str = "on") -> tuple[int, ...]:
+    """The static row counts whose products by packed 4- and 8-bit weights
+    run on the packed kernel: all of 1..MAX_ROWS wherever the kernels build
+    (inductor's code for them unpacks every code again for every row)."""
+    from kvexport.partitioners.aoti.kernels import build
+
+    if device != "cpu" or mode == "off" or not build.supported():
+        return ()
+    return tuple(range(1, MAX_ROWS + 1))
+
+
 def kernel_rows(device: str, mode: str = "auto") -> tuple[int, ...]:
     """The static row counts whose fp32 products run on the row kernel."""
     from kvexport.partitioners.aoti.kernels import build as row_kernel

@@ -1,6 +1,8 @@
-// fp32 products of a few rows by a weight matrix, out[m, n] = sum_k x[m, k] * w[n, k],
-// for AOTInductor packages on x86 CPUs (build.py builds it; the compiled
-// methods call it through its shim in shims.cpp).
+// Products of a few fp32 rows by an fp32 or bf16 weight matrix,
+// out[m, n] = sum_k x[m, k] * w[n, k] in fp32, for AOTInductor packages on x86
+// CPUs (build.py builds it; the compiled methods call it through its shim in
+// shims.cpp, which converts a bf16 product's rows and result). A bf16 weight
+// is read as bf16, half the bytes, and widened in registers (a shift).
 //
 // Why not the BLAS: over 2-16 rows a step is bound by reading the weights once,
 // but the BLAS's small-row GEMM reads them at half the memory's rate or less
@@ -30,14 +32,14 @@ constexpr int weight_rows() {
 }
 
 // MR rows of x (stride ldx) by NR rows of w (stride K) into out (stride N)
-template <int MR, int NR>
-static inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t N) {
+template <int MR, int NR, typename W>
+static inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* out, int64_t N) {
   vec acc[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; i++)
 #pragma GCC unroll 8
     for (int j = 0; j < NR; j++) acc[i][j] = zero();
-  const float* ahead = w + PREFETCH_ROWS * K;
+  const W* ahead = w + PREFETCH_ROWS * K;
   int64_t k = 0;
   for (; k + LANES <= K; k += LANES) {
     vec wv[NR];
@@ -67,16 +69,16 @@ static inline void tile(const float* x, int64_t ldx, const float* w, int64_t K, 
 }
 
 // MR rows of x by weight rows [n0, n1)
-template <int MR>
-static void band(const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t N, int64_t n0, int64_t n1) {
+template <int MR, typename W>
+static void band(const float* x, int64_t ldx, const W* w, int64_t K, float* out, int64_t N, int64_t n0, int64_t n1) {
   constexpr int NR = weight_rows<MR>();
   int64_t n = n0;
   for (; n + NR <= n1; n += NR) tile<MR, NR>(x, ldx, w + n * K, K, out + n, N);
   for (; n < n1; n++) tile<MR, 1>(x, ldx, w + n * K, K, out + n, N);
 }
 
-template <int MR>
-static void band_of(int rows, const float* x, int64_t ldx, const float* w, int64_t K, float* out, int64_t N, int64_t n0,
+template <int MR, typename W>
+static void band_of(int rows, const float* x, int64_t ldx, const W* w, int64_t K, float* out, int64_t N, int64_t n0,
                     int64_t n1) {
   if constexpr (MR > 1) {
     if (rows < MR) return band_of<MR - 1>(rows, x, ldx, w, K, out, N, n0, n1);
@@ -84,9 +86,8 @@ static void band_of(int rows, const float* x, int64_t ldx, const float* w, int64
   band<MR>(x, ldx, w, K, out, N, n0, n1);
 }
 
-// x: [M, K] with row stride ldx; w: [N, K] contiguous; out: [M, N] contiguous
-void kvexport_rows_linear(const float* x, int64_t ldx, const float* w, float* out, int64_t M, int64_t N,
-                                     int64_t K) {
+template <typename W>
+static void product(const float* x, int64_t ldx, const W* w, float* out, int64_t M, int64_t N, int64_t K) {
 #pragma omp parallel
   {
     // an even share of the weight rows per thread, in whole groups of 8, walked
@@ -101,4 +102,15 @@ void kvexport_rows_linear(const float* x, int64_t ldx, const float* w, float* ou
       }
     }
   }
+}
+
+// x: [M, K] with row stride ldx; w: [N, K] contiguous; out: [M, N] contiguous
+void kvexport_rows_linear(const float* x, int64_t ldx, const float* w, float* out, int64_t M, int64_t N, int64_t K) {
+  product(x, ldx, w, out, M, N, K);
+}
+
+// the same with w in bf16 (its raw 16-bit values)
+void kvexport_rows_linear_bf16(const float* x, int64_t ldx, const uint16_t* w, float* out, int64_t M, int64_t N,
+                               int64_t K) {
+  product(x, ldx, w, out, M, N, K);
 }

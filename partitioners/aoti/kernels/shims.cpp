@@ -1,13 +1,16 @@
 // The AOTInductor C shims of kvexport's kernels: what a compiled method's
-// generated code calls for the custom ops kvexport::rows_linear and
-// kvexport::masked_attention (the backend's passes emit them). Each shim reads
-// its tensor handles, checks them against what the math takes (the compile
-// guarantees them; a shim checks rather than trusts), says on stderr why it
-// refuses any, allocates the result and calls the math (rows_linear.cpp,
-// masked_attention.cpp). Built only into the static archive AOTInductor links.
+// generated code calls for the custom ops kvexport::rows_linear,
+// kvexport::masked_attention and kvexport::packed_linear (the backend's passes
+// emit them). Each shim reads its tensor handles, checks them against what the
+// math takes (the compile guarantees them; a shim checks rather than trusts),
+// says on stderr why it refuses any, allocates the result and calls the math
+// (rows_linear.cpp, masked_attention.cpp, packed_linear.cpp). Built only into
+// the static archive AOTInductor links.
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <vector>
 
 #include "kernels.h"
 
@@ -36,21 +39,39 @@ bool read(AtenTensorHandle handle, Operand& o) {
            aoti_torch_get_data_ptr(handle, &o.data));
 }
 
-// a new contiguous fp32 CPU tensor of the given sizes, and its data
-AOTITorchError new_fp32(int dims, const int64_t* size, AtenTensorHandle* out, void** data) {
+// a new contiguous CPU tensor of the given dtype and sizes, and its data
+AOTITorchError new_tensor(int32_t dtype, int dims, const int64_t* size, AtenTensorHandle* out, void** data) {
   int64_t stride[4];
   int64_t step = 1;
   for (int i = dims - 1; i >= 0; i--) {
     stride[i] = step;
     step *= size[i];
   }
-  if (aoti_torch_empty_strided(dims, size, stride, aoti_torch_dtype_float32(), aoti_torch_device_type_cpu(), 0, out))
+  if (aoti_torch_empty_strided(dims, size, stride, dtype, aoti_torch_device_type_cpu(), 0, out))
     return AOTI_TORCH_FAILURE;
   if (aoti_torch_get_data_ptr(*out, data)) {
     aoti_torch_delete_tensor_object(*out);
     return AOTI_TORCH_FAILURE;
   }
   return AOTI_TORCH_SUCCESS;
+}
+
+AOTITorchError new_fp32(int dims, const int64_t* size, AtenTensorHandle* out, void** data) {
+  return new_tensor(aoti_torch_dtype_float32(), dims, size, out, data);
+}
+
+// bf16 <-> fp32: a bf16 is a float's upper half; rounding to nearest even, as torch does
+inline float from_bf16(uint16_t b) {
+  const uint32_t bits = (uint32_t)b << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint16_t to_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  // NaN stays NaN
+  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 
 // ----------------------------------------------------------- masked attention
@@ -113,8 +134,8 @@ const char* attention_problem(const Operand* o) {
 // why rows_linear cannot take these operands, or nullptr
 const char* rows_problem(const Operand& x, const Operand& w) {
   if (x.dims != 2 || w.dims != 2) return "x and weight must be 2-d";
-  if (x.dtype != aoti_torch_dtype_float32() || w.dtype != aoti_torch_dtype_float32())
-    return "x and weight must be float32";
+  if (x.dtype != w.dtype || (x.dtype != aoti_torch_dtype_float32() && x.dtype != aoti_torch_dtype_bfloat16()))
+    return "x and weight must both be float32 or both bfloat16";
   const int64_t M = x.sizes[0], K = x.sizes[1], N = w.sizes[0];
   if (w.sizes[1] != K) return "x is [M, K] and weight must be [N, K]";
   if (K > 1 && (x.strides[1] != 1 || w.strides[1] != 1)) return "x and weight need unit stride along K";
@@ -122,7 +143,50 @@ const char* rows_problem(const Operand& x, const Operand& w) {
   return nullptr;
 }
 
+// ------------------------------------------------------------- packed linear
+// why packed_linear cannot take these operands, or nullptr
+const char* packed_problem(const Operand& x, const Operand& words, const Operand& scale, const Operand& offset,
+                           int64_t bits, int64_t rows) {
+  if (bits != 4 && bits != 8) return "bits must be 4 or 8";
+  if (x.dims != 2 || words.dims != 2 || scale.dims != 2 || offset.dims != 2)
+    return "x, words, scale and offset must be 2-d";
+  if (x.dtype != aoti_torch_dtype_float32() || scale.dtype != aoti_torch_dtype_float32() ||
+      offset.dtype != aoti_torch_dtype_float32() || words.dtype != aoti_torch_dtype_int32())
+    return "x, scale and offset must be float32 and words int32";
+  const int64_t M = x.sizes[0], K = x.sizes[1], R = words.sizes[0], lanes = 32 / bits, groups = scale.sizes[1];
+  if (words.sizes[1] != K) return "x is [M, K] and words must be [R, K]";
+  if (scale.sizes[0] != lanes * R || offset.sizes[0] != lanes * R || offset.sizes[1] != groups)
+    return "scale and offset must be [32 / bits * R, groups]";
+  if (groups < 1 || K % (8 * groups)) return "K must be a multiple of 8 * groups";
+  if (rows < 1 || rows > lanes * R) return "rows must be within 1..32 / bits * R";
+  if (x.strides[1] != 1 || (M > 1 && x.strides[0] < K)) return "x needs unit stride along K, rows apart";
+  if (words.strides[1] != 1 || (R > 1 && words.strides[0] != K) || scale.strides[1] != 1 ||
+      scale.strides[0] != groups || offset.strides[1] != 1 || offset.strides[0] != groups)
+    return "words, scale and offset must be contiguous";
+  return nullptr;
+}
+
 }  // namespace
+
+extern "C" AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenTensorHandle words,
+                                                       AtenTensorHandle scale, AtenTensorHandle offset, int64_t bits,
+                                                       int64_t rows, AtenTensorHandle* ret0) {
+  Operand a, w, s, o;
+  if (!read(x, a) || !read(words, w) || !read(scale, s) || !read(offset, o))
+    return refuse("packed_linear", "a tensor handle could not be read");
+  if (const char* why = packed_problem(a, w, s, o, bits, rows)) return refuse("packed_linear", why);
+  const int64_t M = a.sizes[0], K = a.sizes[1];
+  const int64_t size[2] = {M, rows};
+  AtenTensorHandle out;
+  void* out_data;
+  if (new_fp32(2, size, &out, &out_data)) return refuse("packed_linear", "the result could not be allocated");
+  if (M > 0)
+    kvexport_packed_linear((const float*)a.data, M > 1 ? a.strides[0] : K, (const int32_t*)w.data,
+                           (const float*)s.data, (const float*)o.data, (float*)out_data, M, rows, K, w.sizes[0],
+                           s.sizes[1], bits);
+  *ret0 = out;
+  return AOTI_TORCH_SUCCESS;
+}
 
 extern "C" AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTensorHandle weight,
                                                      AtenTensorHandle* ret0) {
@@ -133,10 +197,17 @@ extern "C" AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTen
   const int64_t size[2] = {M, N};
   AtenTensorHandle out;
   void* out_data;
-  if (new_fp32(2, size, &out, &out_data)) return refuse("rows_linear", "the result could not be allocated");
-  if (M > 0 && N > 0)
+  if (new_tensor(a.dtype, 2, size, &out, &out_data)) return refuse("rows_linear", "the result could not be allocated");
+  if (M > 0 && N > 0 && a.dtype == aoti_torch_dtype_float32()) {
     kvexport_rows_linear((const float*)a.data, M > 1 ? a.strides[0] : K, (const float*)w.data, (float*)out_data, M, N,
                          K);
+  } else if (M > 0 && N > 0) {  // bf16: the few rows widened to fp32, the weight read as bf16, the result rounded
+    std::vector<float> rows(M * K), result(M * N);
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t k = 0; k < K; k++) rows[m * K + k] = from_bf16(((const uint16_t*)a.data)[m * a.strides[0] + k]);
+    kvexport_rows_linear_bf16(rows.data(), K, (const uint16_t*)w.data, result.data(), M, N, K);
+    for (int64_t i = 0; i < M * N; i++) ((uint16_t*)out_data)[i] = to_bf16(result[i]);
+  }
   *ret0 = out;
   return AOTI_TORCH_SUCCESS;
 }

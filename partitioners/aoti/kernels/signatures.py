@@ -20,7 +20,7 @@ from dataclasses import dataclass
 class Kernel:
     name: str
     math: tuple[str, ...]  # the math's C parameters, "type name"
-    shim: tuple[str, ...]  # the shim's parameters before its result handle
+    shim: tuple[str, ...] | None  # the shim's parameters before its result handle; None: called by another's shim
 
     @property
     def symbol(self) -> str:
@@ -42,13 +42,19 @@ class Kernel:
 
 
 _CTYPES = {"const float*": ctypes.c_void_p, "float*": ctypes.c_void_p, "const bool*": ctypes.c_void_p,
-           "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+           "const int32_t*": ctypes.c_void_p, "const uint16_t*": ctypes.c_void_p, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
 
 ROWS_LINEAR = Kernel(
     "rows_linear",
     # x [M, K] (row stride ldx) @ w [N, K].T -> out [M, N], all fp32, w and out contiguous
     math=("const float* x", "int64_t ldx", "const float* w", "float* out", "int64_t M", "int64_t N", "int64_t K"),
     shim=("AtenTensorHandle x", "AtenTensorHandle weight"),
+)
+ROWS_LINEAR_BF16 = Kernel(
+    "rows_linear_bf16",
+    # rows_linear with w in bf16 (raw 16-bit values); rows_linear's shim calls it for bf16 operands
+    math=("const float* x", "int64_t ldx", "const uint16_t* w", "float* out", "int64_t M", "int64_t N", "int64_t K"),
+    shim=None,
 )
 MASKED_ATTENTION = Kernel(
     "masked_attention",
@@ -60,13 +66,23 @@ MASKED_ATTENTION = Kernel(
     shim=("AtenTensorHandle query", "AtenTensorHandle key", "AtenTensorHandle value", "AtenTensorHandle mask",
           "double scale"),
 )
-KERNELS = (ROWS_LINEAR, MASKED_ATTENTION)
+PACKED_LINEAR = Kernel(
+    "packed_linear",
+    # x [M, K] (row stride ldx) @ the packed weight [N, K].T -> out [M, N]: words int32 [R, K] of
+    # 32 / bits lanes (passes/packed_weights.py), scale and offset fp32 [lanes * R, groups]; all contiguous
+    math=("const float* x", "int64_t ldx", "const int32_t* words", "const float* scale", "const float* offset",
+          "float* out", "int64_t M", "int64_t N", "int64_t K", "int64_t R", "int64_t groups", "int64_t bits"),
+    shim=("AtenTensorHandle x", "AtenTensorHandle words", "AtenTensorHandle scale", "AtenTensorHandle offset",
+          "int64_t bits", "int64_t rows"),
+)
+KERNELS = (ROWS_LINEAR, ROWS_LINEAR_BF16, MASKED_ATTENTION, PACKED_LINEAR)
+SHIMMED = tuple(kernel for kernel in KERNELS if kernel.shim is not None)  # the custom ops compiled code calls
 
 
 def header() -> str:
     """kernels.h: every kernel's math and shim declarations."""
     math = "\n".join(f"{kernel.math_declaration()};" for kernel in KERNELS)
-    shims = "\n".join(f"{kernel.shim_declaration()};" for kernel in KERNELS)
+    shims = "\n".join(f"{kernel.shim_declaration()};" for kernel in SHIMMED)
     return (
         "// Written by kernels/signatures.py at build time: edit the table there.\n"
         "#pragma once\n\n#include <cstdint>\n\n"

@@ -87,9 +87,21 @@ static inline vec exp_nonpositive(vec x) {
   return _mm256_andnot_ps(underflow, mul(p, _mm256_castsi256_ps(scale)));
 }
 
+// 8 bf16 values at p as floats (a bf16 is a float's upper half)
+static inline vec load(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+// the first n (1..8) bf16 values at p, zeros after: never reads past p + n
+static inline vec load_first(const uint16_t* p, int n) {
+  uint16_t part[LANES] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int i = 0; i < n; i++) part[i] = p[i];
+  return load(part);
+}
+
 // fetches the cache line at p into L2 ahead of its use: weights streamed a
 // few rows ahead overlap the reads with the arithmetic (T0 and NTA hints
 // measured slower)
-static inline void prefetch_l2(const float* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
+static inline void prefetch_l2(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
 
 }  // namespace kv

@@ -8,10 +8,17 @@ from __future__ import annotations
 from kvexport.passes.base import Pass
 
 
-def compile_passes(kernel_rows: tuple[int, ...]) -> list[Pass]:
-    if not kernel_rows:
-        return []
-    from kvexport.partitioners.aoti.passes.masked_attention import MaskedAttentionPass
-    from kvexport.partitioners.aoti.passes.rows_linear import RowsLinearPass
+def compile_passes(kernel_rows: tuple[int, ...], packed_rows: tuple[int, ...] = ()) -> list[Pass]:
+    """Packed products first: the row kernel would take their dequantized
+    weights as fp32 ones."""
+    passes: list[Pass] = []
+    if packed_rows:
+        from kvexport.partitioners.aoti.passes.packed_linear import PackedLinearPass
 
-    return [RowsLinearPass(kernel_rows), MaskedAttentionPass(kernel_rows)]
+        passes.append(PackedLinearPass(packed_rows))
+    if kernel_rows:
+        from kvexport.partitioners.aoti.passes.masked_attention import MaskedAttentionPass
+        from kvexport.partitioners.aoti.passes.rows_linear import RowsLinearPass
+
+        passes += [RowsLinearPass(kernel_rows), MaskedAttentionPass(kernel_rows)]
+    return passes

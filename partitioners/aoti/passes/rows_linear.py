@@ -1,5 +1,7 @@
-"""RowsLinearPass: fp32 linears over a few static rows call kvexport's
-row kernel (kernels/rows_linear.cpp) in AOTInductor's compiled code.
+"""RowsLinearPass: fp32 and bf16 linears over a few static rows call
+kvexport's row kernel (kernels/rows_linear.cpp) in AOTInductor's compiled
+code. A bf16 weight is read as bf16 (half fp32's bytes) and multiplied in
+fp32; the result is rounded to bf16, as torch's bf16 linear rounds it.
 
 The kernel reads each weight once at close to the memory's streaming rate
 while it multiplies up to 8 rows in registers; the BLAS's small-row GEMM
@@ -19,15 +21,20 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from kvexport.passes.base import emit
-from kvexport.passes.weight_stationary_linear import Fp32LinearRewrite, fp32_linears
+from torch._subclasses.fake_tensor import FakeTensor
+
+from kvexport.passes.base import arguments, emit, static_rows
+from kvexport.passes.weight_stationary_linear import Fp32LinearRewrite
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 aten = torch.ops.aten
 
 
 @torch.library.custom_op("kvexport::rows_linear", mutates_args=())
 def rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (rows contiguous) times weight [N, K] transposed: [M, N]."""
+    """x [M, K] (rows contiguous) times weight [N, K] transposed: [M, N],
+    fp32 or bf16 (both the same)."""
     return torch.nn.functional.linear(x, weight)
 
 
@@ -41,17 +48,25 @@ ROWS_LINEAR = torch.ops.kvexport.rows_linear.default
 
 class RowsLinearPass(Fp32LinearRewrite):
     name = "rows_linear"
-    leftover = "fp32 linears over the row kernel's row counts left on the BLAS"
+    leftover = "fp32 and bf16 linears over the row kernel's row counts left on the BLAS"
 
     def __init__(self, rows: tuple[int, ...]):
         super().__init__(max(rows, default=0))
         self.rows = frozenset(rows)
 
     def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
-        """Weights the kernel reads row by row: contiguous (a view of a
-        parameter stays on the BLAS)."""
-        return [n for n in fp32_linears(graph_module, self.max_rows)
-                if self.parts(n)[5] in self.rows and self.parts(n)[1].meta["val"].is_contiguous()]
+        """Linears whose weight the kernel reads row by row: 2-d, contiguous
+        (a view of a parameter stays on the BLAS), fp32 or bf16 like x."""
+        found = []
+        for node in graph_module.graph.nodes:
+            if node.target is not torch.ops.aten.linear.default:
+                continue
+            given = arguments(node)
+            x, weight = given["input"], given["weight"].meta.get("val")
+            if (type(weight) is FakeTensor and weight.dim() == 2 and weight.dtype in KERNEL_DTYPES
+                    and weight.is_contiguous() and x.meta["val"].dtype == weight.dtype and static_rows(x) in self.rows):
+                found.append(node)
+        return found
 
     def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
         x, weight, bias, lead, width, rows, out_features = self.parts(node)

@@ -1,0 +1,143 @@
+// Products of a few fp32 rows by a packed integer weight (passes/packed_weights.py:
+// 4- or 8-bit codes in row lanes of int32 words, a float scale and offset per
+// group), out[m, n] = sum_k x[m, k] * (scale[n, g(k)] * code[n, k] + offset[n, g(k)]),
+// for AOTInductor packages on x86 CPUs (build.py builds it; the compiled methods
+// call it through its shim in shims.cpp).
+//
+// Why: inductor's code for such a product unpacks every code again for every
+// input row and multiplies in a reduction per row, so 8 sessions decode slower
+// than one fp32 package (the table: 146 against 316 tokens/s). Here a
+// vector of words is loaded once; each lane is unpacked in registers (a shift,
+// a mask, a convert, one FMA with its group's scale and offset) into 8 weight
+// values, which a register tile of MR input rows then multiplies: the
+// unpacking is paid once per MR rows, and codes are never written to memory.
+//
+// A thread walks its own band of word rows; word row r holds weight rows
+// r, R + r, 2R + r, ... (one per lane), so a tile of LT lanes makes LT output
+// columns. The tile sizes follow the vector registers (vec.h).
+
+#include <omp.h>
+
+#include "kernels.h"
+#include "vec.h"
+
+using namespace kv;
+
+namespace {
+
+constexpr int64_t PREFETCH_ROWS = 4;  // how far ahead word rows are fetched into L2
+constexpr int MR_MAX = REGISTERS == 32 ? 8 : 4;
+
+// lanes per tile for MR rows: the most (a power of two, up to 8) whose
+// accumulators, the MR rows' vectors and three temporaries fit the registers
+template <int MR>
+constexpr int lanes_per_tile() {
+  int lt = 8;
+  while (lt > 1 && MR * lt + MR + 3 > REGISTERS) lt /= 2;
+  return lt;
+}
+
+// lane LANE of 8 words: codes of BITS bits as int32
+template <int BITS, int LANE>
+inline __m256i codes_of(__m256i words) {
+  const __m256i shifted = LANE ? _mm256_srli_epi32(words, BITS * LANE) : words;
+  if constexpr (BITS * (LANE + 1) == 32) return shifted;  // the top lane: the shift cleared the rest
+  return _mm256_and_si256(shifted, _mm256_set1_epi32((1 << BITS) - 1));
+}
+
+// lanes LANE0 + J.. of 8 words unpacked to weights (scale * code + offset of
+// their group; lane j's at s[j * lane_stride]), each times the MR rows
+template <int BITS, int MR, int LT, int LANE0, int J>
+inline void multiply(__m256i words, const float* s, const float* o, int64_t lane_stride, const vec (&xv)[MR],
+                     vec (&acc)[MR][LT]) {
+  const vec codes = _mm256_cvtepi32_ps(codes_of<BITS, LANE0 + J>(words));
+  const vec w = fma(codes, broadcast(s[J * lane_stride]), broadcast(o[J * lane_stride]));
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; i++) acc[i][J] = fma(xv[i], w, acc[i][J]);
+  if constexpr (J + 1 < LT) multiply<BITS, MR, LT, LANE0, J + 1>(words, s, o, lane_stride, xv, acc);
+}
+
+// MR input rows by lanes [LANE0, LANE0 + LT) of word row r, over all of K
+template <int BITS, int MR, int LT, int LANE0>
+inline void tile(const float* x, int64_t ldx, const int32_t* row, const float* scale, const float* offset,
+                 int64_t R, int64_t r, int64_t K, int64_t G, int64_t groups, float* out, int64_t N) {
+  vec acc[MR][LT];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+    for (int j = 0; j < LT; j++) acc[i][j] = zero();
+  const int32_t* ahead = row + PREFETCH_ROWS * K;
+  for (int64_t g = 0; g < groups; g++) {
+    const float* s = scale + (LANE0 * R + r) * groups + g;  // lane j's scale at s[j * R * groups]
+    const float* o = offset + (LANE0 * R + r) * groups + g;
+    for (int64_t k = g * G; k < (g + 1) * G; k += LANES) {
+      const __m256i words = _mm256_loadu_si256((const __m256i*)(row + k));
+      _mm_prefetch((const char*)(ahead + k), _MM_HINT_T1);
+      vec xv[MR];
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; i++) xv[i] = load(x + i * ldx + k);
+      multiply<BITS, MR, LT, LANE0, 0>(words, s, o, R * groups, xv, acc);
+    }
+  }
+  for (int j = 0; j < LT; j++) {
+    const int64_t n = (LANE0 + j) * R + r;
+    if (n >= N) break;  // padding rows of the last lanes
+    for (int i = 0; i < MR; i++) out[i * N + n] = total(acc[i][j]);
+  }
+}
+
+// tiles of LT lanes from LANE0 on, while their weight rows exist
+template <int BITS, int MR, int LT, int LANE0>
+inline void lane_tiles(const float* x, int64_t ldx, const int32_t* row, const float* scale, const float* offset,
+                       int64_t R, int64_t r, int64_t K, int64_t G, int64_t groups, float* out, int64_t N) {
+  if (LANE0 * R + r >= N) return;
+  tile<BITS, MR, LT, LANE0>(x, ldx, row, scale, offset, R, r, K, G, groups, out, N);
+  if constexpr (LANE0 + LT < 32 / BITS) lane_tiles<BITS, MR, LT, LANE0 + LT>(x, ldx, row, scale, offset, R, r, K, G, groups, out, N);
+}
+
+// MR input rows by every lane of word row r
+template <int BITS, int MR>
+inline void word_row(const float* x, int64_t ldx, const int32_t* words, const float* scale, const float* offset,
+                     int64_t R, int64_t r, int64_t K, int64_t G, int64_t groups, float* out, int64_t N) {
+  constexpr int LANES_OF = 32 / BITS, LT = lanes_per_tile<MR>() < LANES_OF ? lanes_per_tile<MR>() : LANES_OF;
+  lane_tiles<BITS, MR, LT, 0>(x, ldx, words + r * K, scale, offset, R, r, K, G, groups, out, N);
+}
+
+template <int BITS, int MR>
+void rows_of(int rows, const float* x, int64_t ldx, const int32_t* words, const float* scale, const float* offset,
+             int64_t R, int64_t r, int64_t K, int64_t G, int64_t groups, float* out, int64_t N) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return rows_of<BITS, MR - 1>(rows, x, ldx, words, scale, offset, R, r, K, G, groups, out, N);
+  }
+  word_row<BITS, MR>(x, ldx, words, scale, offset, R, r, K, G, groups, out, N);
+}
+
+template <int BITS>
+void product(const float* x, int64_t ldx, const int32_t* words, const float* scale, const float* offset, float* out,
+             int64_t M, int64_t N, int64_t K, int64_t R, int64_t groups) {
+  const int64_t G = K / groups;
+#pragma omp parallel
+  {
+    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t first = R * me / threads, last = R * (me + 1) / threads;
+    for (int64_t r = first; r < last; r++)
+      for (int64_t m = 0; m < M; m += MR_MAX) {
+        const int rows = (int)(M - m < MR_MAX ? M - m : MR_MAX);
+        rows_of<BITS, MR_MAX>(rows, x + m * ldx, ldx, words, scale, offset, R, r, K, G, groups, out + m * N, N);
+      }
+  }
+}
+
+}  // namespace
+
+// x: [M, K] (row stride ldx); words: int32 [R, K] contiguous, lanes = 32 / bits;
+// scale, offset: [lanes * R, groups] contiguous, K a multiple of 8 * groups;
+// out: [M, N] contiguous, N <= lanes * R
+void kvexport_packed_linear(const float* x, int64_t ldx, const int32_t* words, const float* scale,
+                            const float* offset, float* out, int64_t M, int64_t N, int64_t K, int64_t R,
+                            int64_t groups, int64_t bits) {
+  if (bits == 4)
+    product<4>(x, ldx, words, scale, offset, out, M, N, K, R, groups);
+  else
+    product<8>(x, ldx, words, scale, offset, out, M, N, K, R, groups);
+}
