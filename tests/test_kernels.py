@@ -293,3 +293,18 @@ def test_auto_falls_back_to_the_blas_when_the_kernel_cannot_be_built(tmp_path, m
         assert not (tmp_path / "probes").exists()  # nor on disk: the next export tries again
     finally:
         build._load_math.cache_clear()
+
+
+def test_every_shimmed_op_is_defined_whichever_kernels_a_compile_uses():
+    """inductor_configs maps every shimmed op, in a process that imported no
+    pass (a compile worker with the row kernel off and the packed kernel on)."""
+    import subprocess
+    import sys
+
+    code = ("from kvexport.partitioners.aoti.kernels.build import inductor_configs; "
+            "print(sorted(str(op) for op in inductor_configs()['aot_inductor.custom_ops_to_c_shims']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from kvexport.partitioners.aoti.kernels.signatures import SHIMMED
+
+    assert all(f"kvexport.{kernel.name}.default" in done.stdout for kernel in SHIMMED)

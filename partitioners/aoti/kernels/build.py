@@ -61,7 +61,10 @@ def inductor_configs() -> dict:
     LIBRARY_PATH for the link (partitioners/aoti/compile.py)."""
     import torch
 
-    import kvexport.partitioners.aoti.passes  # noqa: F401  (registers the kvexport:: ops)
+    # the passes' modules define the kvexport:: ops; all of them, whichever kernels this compile uses
+    import kvexport.partitioners.aoti.passes.masked_attention  # noqa: F401
+    import kvexport.partitioners.aoti.passes.packed_linear  # noqa: F401
+    import kvexport.partitioners.aoti.passes.rows_linear  # noqa: F401
 
     shims = {getattr(torch.ops.kvexport, kernel.name).default: [kernel.shim_declaration()] for kernel in SHIMMED}
     return {"aot_inductor.custom_ops_to_c_shims": shims, "aot_inductor.custom_op_libs": [LIBRARY]}
