@@ -1,6 +1,6 @@
 """llama.cpp beside kvexport on the same model, in one command: decode at
 batch 1, 8 sequences aggregated, and a 512-token prompt, for llama.cpp F32,
-Q8_0 and Q4_0 and for the packages given.
+BF16, Q8_0 and Q4_0 and for the packages given.
 
     python bench/llamacpp.py [--package fp32-aoti=PKG ...] [--model smollm2-135m]
 
@@ -10,7 +10,7 @@ once, in kvexport's cache directory (`$KVEXPORT_CACHE_DIR/llama.cpp-0.3.36`,
 8-25 minutes on 2 cores). The built-in SmolLM2 goes to F32 by
 `llama-quantize --allow-requantize` from its own GGUF (the values kvexport's
 fp32 model holds); another model through `convert_hf_to_gguf.py` (which
-needs sentencepiece). `llama-quantize` then makes Q8_0 and Q4_0.
+needs sentencepiece). `llama-quantize` then makes BF16, Q8_0 and Q4_0.
 `llama-bench` gives the batch-1 decode (tg) and prompt (pp) rates,
 `llama-batched-bench` the 8-sequence aggregate. `--omp-passive` sets
 OMP_WAIT_POLICY=passive, which keeps its threads from spinning on a shared
@@ -67,9 +67,9 @@ def build(root: Path) -> Path:
 
 
 def models(tree: Path, root: Path, model: str) -> dict[str, Path]:
-    """F32, Q8_0 and Q4_0 GGUF files of `model` (converted once)."""
+    """F32, BF16, Q8_0 and Q4_0 GGUF files of `model` (converted once)."""
     out = {"F32": f32_gguf(tree, root, model)}
-    for kind in ("Q8_0", "Q4_0"):
+    for kind in ("BF16", "Q8_0", "Q4_0"):
         out[kind] = root / f"{model}-{kind}.gguf"
         if not out[kind].exists():
             run([str(tree / "build" / "bin" / "llama-quantize"), str(out["F32"]), str(out[kind]), kind], capture=False)

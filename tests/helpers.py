@@ -14,6 +14,9 @@ TINY = ("tiny-llama", "tiny-qwen2")
 TINY_LAYOUT = dict(forward_sizes="1,2,4,8", max_step_tokens=24, max_cells=512)
 
 
+PROGRESS: dict[str, list[str]] = {}  # the progress lines of each export_tiny in this process, by output path
+
+
 def export_tiny(model: str, out, *, check_package=_check_package, transform_passes=(), partitioners=None, dump_graphs=None,
                 **overrides):
     """Exports as the CLI does: the package must reproduce its reference
@@ -22,7 +25,8 @@ def export_tiny(model: str, out, *, check_package=_check_package, transform_pass
     if overrides.get("backend") == "aoti":
         flags["row_kernel"] = "on"  # every token test of an aoti package runs the row kernel, on any machine
     flags.update(overrides)
-    return export_package(build_spec(flags=flags), progress=lambda message: None, check_package=check_package,
+    lines = PROGRESS.setdefault(str(out), [])
+    return export_package(build_spec(flags=flags), progress=lines.append, check_package=check_package,
                           transform_passes=transform_passes, partitioners=partitioners, dump_graphs=dump_graphs)
 
 

@@ -50,6 +50,7 @@ def test_manifest_records_the_compile_target(aoti_package):
         names = zipfile.ZipFile(aoti_package / entry["compiled"]).namelist()
         assert any(n.endswith(".so") for n in names)
         assert not [n for n in names if "/constants/" in n or "/weights/" in n]
+        assert not [n for n in names if n.endswith(".cpp")]  # the generated sources are dropped
 
 
 def test_static_methods_carry_the_row_kernel(aoti_package):
@@ -143,10 +144,11 @@ def test_a_method_compiles_to_identical_bytes(tmp_path, aoti_package):
     from kvexport.partitioners.aoti.kernels.build import archive_dir
 
     manifest = json.loads((aoti_package / "manifest.json").read_text())
-    entry, rows = manifest["methods"]["forward_4"], tuple(manifest["backend"]["target"]["fp32_kernel_rows"])
+    target = manifest["backend"]["target"]
+    entry, rows, packed = manifest["methods"]["forward_4"], tuple(target["fp32_kernel_rows"]), tuple(target["packed_kernel_rows"])
     job = CompileJob("forward_4", aoti_package / entry["program"], aoti_package / "weights.safetensors",
                      entry["weights"], manifest["weights"].get("aliases", {}), entry["inputs"], tmp_path / entry["compiled"],
-                     "cpu", tuple(entry.get("state", [])), rows, archive_dir() if rows else None)
+                     "cpu", tuple(entry.get("state", [])), rows, archive_dir() if rows or packed else None, packed)
     job.output.parent.mkdir()
     compile_one(job)
     assert job.output.read_bytes() == (aoti_package / entry["compiled"]).read_bytes()

@@ -5,18 +5,21 @@
 // call it through its shim in shims.cpp).
 //
 // Why: inductor's code for such a product unpacks every code again for every
-// input row and multiplies in a reduction per row, so 8 sessions decode slower
-// than one fp32 package (the table: 146 against 316 tokens/s). Here a
-// vector of words is loaded once; each lane is unpacked in registers (a shift,
-// a mask, a convert, one FMA with its group's scale and offset) into 8 weight
-// values, which a register tile of MR input rows then multiplies: the
-// unpacking is paid once per MR rows, and codes are never written to memory.
+// input row and multiplies in a reduction per row. Here a vector of words is
+// loaded once; each lane is unpacked in registers (a shift, a mask and a
+// convert) into 8 codes, which a register tile of MR input rows multiplies:
+// the unpacking is paid once per MR rows, and codes are never written to
+// memory. The products with the codes are summed per group and scaled once a
+// group; the offsets multiply each row's sum over the group (computed once a
+// call), so a code costs one FMA per row and no scale or offset of its own.
 //
 // A thread walks its own band of word rows; word row r holds weight rows
 // r, R + r, 2R + r, ... (one per lane), so a tile of LT lanes makes LT output
 // columns. The tile sizes follow the vector registers (vec.h).
 
 #include <omp.h>
+
+#include <vector>
 
 #include "kernels.h"
 #include "vec.h"
@@ -45,77 +48,106 @@ inline __m256i codes_of(__m256i words) {
   return _mm256_and_si256(shifted, _mm256_set1_epi32((1 << BITS) - 1));
 }
 
-// lanes LANE0 + J.. of 8 words unpacked to weights (scale * code + offset of
-// their group; lane j's at s[j * lane_stride]), each times the MR rows
+// lanes LANE0 + J.. of 8 words as float codes, each times the MR rows
 template <int BITS, int MR, int LT, int LANE0, int J>
-inline void multiply(__m256i words, const float* s, const float* o, int64_t lane_stride, const vec (&xv)[MR],
-                     vec (&acc)[MR][LT]) {
+inline void multiply(__m256i words, const vec (&xv)[MR], vec (&acc)[MR][LT]) {
   const vec codes = _mm256_cvtepi32_ps(codes_of<BITS, LANE0 + J>(words));
-  const vec w = fma(codes, broadcast(s[J * lane_stride]), broadcast(o[J * lane_stride]));
 #pragma GCC unroll 8
-  for (int i = 0; i < MR; i++) acc[i][J] = fma(xv[i], w, acc[i][J]);
-  if constexpr (J + 1 < LT) multiply<BITS, MR, LT, LANE0, J + 1>(words, s, o, lane_stride, xv, acc);
+  for (int i = 0; i < MR; i++) acc[i][J] = fma(xv[i], codes, acc[i][J]);
+  if constexpr (J + 1 < LT) multiply<BITS, MR, LT, LANE0, J + 1>(words, xv, acc);
 }
 
-// MR input rows by lanes [LANE0, LANE0 + LT) of word row r, over all of K
+// MR input rows by lanes [LANE0, LANE0 + LT) of word row r, over all of K.
+// Per group, the rows' products with the codes are summed first and scaled
+// once; the offsets multiply the rows' group sums (xsum, [MR][groups]):
+// sum_k x w = sum_g scale_g sum_{k in g} x code + sum_g offset_g sum_{k in g} x
 template <int BITS, int MR, int LT, int LANE0>
-inline void tile(const float* x, int64_t ldx, const int32_t* row, const float* scale, const float* offset,
-                 int64_t R, int64_t r, int64_t K, int64_t G, int64_t groups, float* out, int64_t N) {
-  vec acc[MR][LT];
+inline void tile(const float* x, int64_t ldx, const float* xsum, const int32_t* row, const float* scale,
+                 const float* offset, int64_t R, int64_t r, int64_t K, int64_t G, int64_t groups, float* out,
+                 int64_t N) {
+  vec sums[MR][LT];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; i++)
 #pragma GCC unroll 8
-    for (int j = 0; j < LT; j++) acc[i][j] = zero();
+    for (int j = 0; j < LT; j++) sums[i][j] = zero();
   const int32_t* ahead = row + PREFETCH_ROWS * K;
+  const int64_t lane_stride = R * groups;
+  const float* s = scale + (LANE0 * R + r) * groups;  // lane j's scale of group g at s[j * lane_stride + g]
   for (int64_t g = 0; g < groups; g++) {
-    const float* s = scale + (LANE0 * R + r) * groups + g;  // lane j's scale at s[j * R * groups]
-    const float* o = offset + (LANE0 * R + r) * groups + g;
+    vec acc[MR][LT];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+      for (int j = 0; j < LT; j++) acc[i][j] = zero();
     for (int64_t k = g * G; k < (g + 1) * G; k += LANES) {
       const __m256i words = _mm256_loadu_si256((const __m256i*)(row + k));
-      _mm_prefetch((const char*)(ahead + k), _MM_HINT_T1);
+      prefetch_l2(ahead + k);
       vec xv[MR];
 #pragma GCC unroll 8
       for (int i = 0; i < MR; i++) xv[i] = load(x + i * ldx + k);
-      multiply<BITS, MR, LT, LANE0, 0>(words, s, o, R * groups, xv, acc);
+      multiply<BITS, MR, LT, LANE0, 0>(words, xv, acc);
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < LT; j++) {
+      const vec sj = broadcast(s[j * lane_stride + g]);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; i++) sums[i][j] = fma(acc[i][j], sj, sums[i][j]);
     }
   }
+#pragma GCC unroll 8
   for (int j = 0; j < LT; j++) {
     const int64_t n = (LANE0 + j) * R + r;
     if (n >= N) break;  // padding rows of the last lanes
-    for (int i = 0; i < MR; i++) out[i * N + n] = total(acc[i][j]);
+    const float* o = offset + n * groups;
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) {
+      float shift = 0.0f;
+      for (int64_t g = 0; g < groups; g++) shift += o[g] * xsum[i * groups + g];
+      out[i * N + n] = total(sums[i][j]) + shift;
+    }
   }
 }
 
 // tiles of LT lanes from LANE0 on, while their weight rows exist
 template <int BITS, int MR, int LT, int LANE0>
-inline void lane_tiles(const float* x, int64_t ldx, const int32_t* row, const float* scale, const float* offset,
-                       int64_t R, int64_t r, int64_t K, int64_t G, int64_t groups, float* out, int64_t N) {
+inline void lane_tiles(const float* x, int64_t ldx, const float* xsum, const int32_t* row, const float* scale,
+                       const float* offset, int64_t R, int64_t r, int64_t K, int64_t G, int64_t groups, float* out,
+                       int64_t N) {
   if (LANE0 * R + r >= N) return;
-  tile<BITS, MR, LT, LANE0>(x, ldx, row, scale, offset, R, r, K, G, groups, out, N);
-  if constexpr (LANE0 + LT < 32 / BITS) lane_tiles<BITS, MR, LT, LANE0 + LT>(x, ldx, row, scale, offset, R, r, K, G, groups, out, N);
+  tile<BITS, MR, LT, LANE0>(x, ldx, xsum, row, scale, offset, R, r, K, G, groups, out, N);
+  if constexpr (LANE0 + LT < 32 / BITS)
+    lane_tiles<BITS, MR, LT, LANE0 + LT>(x, ldx, xsum, row, scale, offset, R, r, K, G, groups, out, N);
 }
 
 // MR input rows by every lane of word row r
 template <int BITS, int MR>
-inline void word_row(const float* x, int64_t ldx, const int32_t* words, const float* scale, const float* offset,
-                     int64_t R, int64_t r, int64_t K, int64_t G, int64_t groups, float* out, int64_t N) {
+inline void word_row(const float* x, int64_t ldx, const float* xsum, const int32_t* words, const float* scale,
+                     const float* offset, int64_t R, int64_t r, int64_t K, int64_t G, int64_t groups, float* out,
+                     int64_t N) {
   constexpr int LANES_OF = 32 / BITS, LT = lanes_per_tile<MR>() < LANES_OF ? lanes_per_tile<MR>() : LANES_OF;
-  lane_tiles<BITS, MR, LT, 0>(x, ldx, words + r * K, scale, offset, R, r, K, G, groups, out, N);
+  lane_tiles<BITS, MR, LT, 0>(x, ldx, xsum, words + r * K, scale, offset, R, r, K, G, groups, out, N);
 }
 
 template <int BITS, int MR>
-void rows_of(int rows, const float* x, int64_t ldx, const int32_t* words, const float* scale, const float* offset,
-             int64_t R, int64_t r, int64_t K, int64_t G, int64_t groups, float* out, int64_t N) {
+void rows_of(int rows, const float* x, int64_t ldx, const float* xsum, const int32_t* words, const float* scale,
+             const float* offset, int64_t R, int64_t r, int64_t K, int64_t G, int64_t groups, float* out, int64_t N) {
   if constexpr (MR > 1) {
-    if (rows < MR) return rows_of<BITS, MR - 1>(rows, x, ldx, words, scale, offset, R, r, K, G, groups, out, N);
+    if (rows < MR) return rows_of<BITS, MR - 1>(rows, x, ldx, xsum, words, scale, offset, R, r, K, G, groups, out, N);
   }
-  word_row<BITS, MR>(x, ldx, words, scale, offset, R, r, K, G, groups, out, N);
+  word_row<BITS, MR>(x, ldx, xsum, words, scale, offset, R, r, K, G, groups, out, N);
 }
 
 template <int BITS>
 void product(const float* x, int64_t ldx, const int32_t* words, const float* scale, const float* offset, float* out,
              int64_t M, int64_t N, int64_t K, int64_t R, int64_t groups) {
   const int64_t G = K / groups;
+  std::vector<float> xsum(M * groups);  // each row's sum over each group, for the offsets
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t g = 0; g < groups; g++) {
+      float sum = 0.0f;
+      for (int64_t k = g * G; k < (g + 1) * G; k++) sum += x[m * ldx + k];
+      xsum[m * groups + g] = sum;
+    }
 #pragma omp parallel
   {
     const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
@@ -123,7 +155,8 @@ void product(const float* x, int64_t ldx, const int32_t* words, const float* sca
     for (int64_t r = first; r < last; r++)
       for (int64_t m = 0; m < M; m += MR_MAX) {
         const int rows = (int)(M - m < MR_MAX ? M - m : MR_MAX);
-        rows_of<BITS, MR_MAX>(rows, x + m * ldx, ldx, words, scale, offset, R, r, K, G, groups, out + m * N, N);
+        rows_of<BITS, MR_MAX>(rows, x + m * ldx, ldx, xsum.data() + m * groups, words, scale, offset, R, r, K, G, groups,
+                              out + m * N, N);
       }
   }
 }

@@ -1,0 +1,92 @@
+"""kvexport's packed kernel (partitioners/aoti/kernels/packed_linear.cpp) on
+the linears of one decode step of a model, at 1 to 16 rows, in one run:
+
+- per row count, the time of every linear of a step once (each weight read
+  from memory: the set is larger than the caches) and what that is per token,
+  for 4- and 8-bit codes (per group of 32, and 8-bit per row as 8w stores it);
+- the same products on the row kernel with the fp32 weights, and the BLAS;
+- the streaming-read rate (bench/floor.py's `sum`), and each form's bytes
+  over it: the floor a step cannot beat.
+
+    python bench/packed_kernel.py [--shape smollm2-135m] [--rows 1,2,4,8,16]
+
+Set ATEN_CPU_CAPABILITY=avx2 to time the AVX2 build on an AVX-512 machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from common import cpu_model, emit
+from floor import read_rate
+from kvexport.partitioners.aoti.kernels import build
+from kvexport.passes.packed_weights import pack, pad_rows
+
+# (out, in) of one layer's linears, layers, and the LM head
+SHAPES = {
+    "smollm2-135m": ([(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)], 30,
+                     (49152, 576)),
+}
+
+
+def packed(out_features: int, width: int, bits: int, group: int, g: torch.Generator):
+    codes = torch.randint(0, 1 << bits, (out_features, width), generator=g, dtype=torch.uint8)
+    groups = width // group
+    scale, offset = torch.rand(out_features, groups, generator=g), torch.randn(out_features, groups, generator=g)
+    return pack(codes, bits), pad_rows(scale, bits), pad_rows(offset, bits), bits, out_features
+
+
+def step_seconds(products, repeats: int) -> float:
+    """The best time of running every product once."""
+    for p in products:
+        p()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for p in products:
+            p()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
+    parser.add_argument("--rows", default="1,2,4,8,16")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    layer, layers, head = SHAPES[args.shape]
+    shapes = layer * layers + [head]
+    g = torch.Generator().manual_seed(0)
+    forms = {"4-bit, groups of 32": (4, 32), "8-bit, groups of 32": (8, 32), "8-bit, per row": (8, 0)}
+    weights = {name: [packed(n, k, bits, group or k, g) for n, k in shapes] for name, (bits, group) in forms.items()}
+    fp32 = [torch.randn(n, k, generator=g) for n, k in shapes]
+    values = sum(n * k for n, k in shapes)
+    read = read_rate()
+    result = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "shape": args.shape, "read_rate": read,
+              "weights_m": round(values / 1e6, 1), "rows": {}}
+    for rows in map(int, args.rows.split(",")):
+        xs = {k: torch.randn(rows, k, generator=g) for k in {k for _, k in shapes}}
+        row: dict[str, dict] = {}
+        for name, ws in weights.items():
+            products = [lambda w=w: build.packed_linear(xs[w[0].shape[1]], *w) for w in ws]
+            seconds = step_seconds(products, args.repeats)
+            nbytes = sum(w[0].numel() * 4 + w[1].numel() * 8 for w in ws)
+            row[name] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),
+                         "floor_ms": round(nbytes / (read["best_gbps"] * 1e9) * 1e3, 2)}
+        for name, fn in (("fp32, row kernel", lambda x, w: build.rows_linear(x, w)), ("fp32, BLAS", F.linear)):
+            seconds = step_seconds([lambda w=w: fn(xs[w.shape[1]], w) for w in fp32], args.repeats)
+            row[name] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),
+                         "floor_ms": round(values * 4 / (read["best_gbps"] * 1e9) * 1e3, 2)}
+        result["rows"][rows] = row
+        print(f"{rows:>2} rows: " + "; ".join(f"{k} {v['ms']} ms (floor {v['floor_ms']})" for k, v in row.items()),
+              flush=True)
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
