@@ -152,3 +152,21 @@ def test_a_method_compiles_to_identical_bytes(tmp_path, aoti_package):
     job.output.parent.mkdir()
     compile_one(job)
     assert job.output.read_bytes() == (aoti_package / entry["compiled"]).read_bytes()
+
+
+def test_bf16_products_run_on_the_row_kernel(tiny_package):
+    """A bf16 package's static methods multiply on the row kernel reading bf16
+    weights (its export verified the model's own tokens alone and batched);
+    batched equals alone."""
+    import re
+
+    from helpers import PROGRESS
+    from kvexport.partitioners.aoti.kernels import build
+
+    if not build.supported():
+        pytest.skip("the row kernel needs x86 with AVX2 or AVX-512")
+    path = tiny_package("tiny-llama", "aoti", dtype="bf16")
+    assert re.search(r"forward_4 compiled in [0-9.]+ s, calling kvexport's .*rows_linear x[1-9]", "\n".join(PROGRESS[str(path)]))
+    prompts = [prompt_of(3, seed=7), prompt_of(9, seed=8), prompt_of(26, seed=9)]
+    runtime = load(path)
+    assert generate(runtime, prompts, 8) == [generate(load(path), [p], 8)[0] for p in prompts]
