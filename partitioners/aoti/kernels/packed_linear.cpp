@@ -66,19 +66,13 @@ inline void tile(const float* x, int64_t ldx, const float* xsum, const int32_t* 
                  const float* offset, int64_t R, int64_t r, int64_t K, int64_t G, int64_t groups, float* out,
                  int64_t N) {
   vec sums[MR][LT];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; i++)
-#pragma GCC unroll 8
-    for (int j = 0; j < LT; j++) sums[i][j] = zero();
+  clear(sums);
   const int32_t* ahead = row + PREFETCH_ROWS * K;
   const int64_t lane_stride = R * groups;
   const float* s = scale + (LANE0 * R + r) * groups;  // lane j's scale of group g at s[j * lane_stride + g]
   for (int64_t g = 0; g < groups; g++) {
     vec acc[MR][LT];
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; i++)
-#pragma GCC unroll 8
-      for (int j = 0; j < LT; j++) acc[i][j] = zero();
+    clear(acc);
     for (int64_t k = g * G; k < (g + 1) * G; k += LANES) {
       const __m256i words = _mm256_loadu_si256((const __m256i*)(row + k));
       prefetch_l2(ahead + k);

@@ -35,10 +35,7 @@ constexpr int weight_rows() {
 template <int MR, int NR, typename W>
 static inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* out, int64_t N) {
   vec acc[MR][NR];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; i++)
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; j++) acc[i][j] = zero();
+  clear(acc);
   const W* ahead = w + PREFETCH_ROWS * K;
   int64_t k = 0;
   for (; k + LANES <= K; k += LANES) {

@@ -30,6 +30,14 @@ constexpr int REGISTERS = 16;
 #endif
 
 static inline vec zero() { return _mm256_setzero_ps(); }
+// every vector of a register tile set to 0
+template <int A, int B>
+static inline void clear(vec (&tile)[A][B]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < A; i++)
+#pragma GCC unroll 8
+    for (int j = 0; j < B; j++) tile[i][j] = zero();
+}
 static inline vec broadcast(float x) { return _mm256_set1_ps(x); }
 static inline vec load(const float* p) { return _mm256_loadu_ps(p); }
 static inline void store(float* p, vec a) { _mm256_storeu_ps(p, a); }
