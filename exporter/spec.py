@@ -42,7 +42,7 @@ class ExportSpec:
     backend: str = DEFAULT_BACKEND
     device: str = "cpu"  # aoti: the device the methods are compiled for
     compile_workers: int = 0  # aoti: parallel compile processes (0: one per core, at most one per method)
-    row_kernel: str = "auto"  # aoti on x86: fp32 products over few rows on kvexport's kernel: auto (measured) | on | off
+    row_kernel: str = "auto"  # aoti on x86: fp32 and bf16 products over few rows on kvexport's kernel: auto (measured) | on | off
     packed_kernel: str = "on"  # aoti on x86: products by packed 4/8-bit weights over few rows on kvexport's kernel: on | off
     overwrite: bool = False
     verify: bool = True  # store reference tokens and check the package reproduces them before it is written
