@@ -67,9 +67,10 @@ def _val(node: object):
 
 
 def _stored(node: object, dtype: torch.dtype) -> bool:
+    """A 2-d tensor of `dtype` that the program takes as an input (a weight)."""
     val = _val(node)
-    return node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dtype == dtype and val.dim() == 2 \
-        if isinstance(node, torch.fx.Node) else False
+    return (isinstance(node, torch.fx.Node) and node.op == "placeholder" and isinstance(val, torch.Tensor)
+            and val.dtype == dtype and val.dim() == 2)
 
 
 def _lane_words(node: object, bits: int, lane: int) -> torch.fx.Node | None:
