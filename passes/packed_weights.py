@@ -143,14 +143,13 @@ class FusedPackedLinearPass(RewritePass):
     def __init__(self, max_rows: int = 8, skip_rows: tuple[int, ...] = ()):
         import torch._inductor.inductor_prims  # noqa: F401  (registers prims.inductor_force_stride_order)
 
-        self.max_rows = max_rows
-        self.skip_rows = frozenset(skip_rows)  # left to the aoti backend's packed kernel
+        self.rows = frozenset(range(1, max_rows + 1)) - frozenset(skip_rows)  # the rest: the aoti backend's packed kernel
 
     def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
         return [
             n for n in graph_module.graph.nodes
             if n.target is aten.linear.default and _is_packed(n.args[1])
-            and (static_rows(n.args[0]) or 0) in set(range(1, self.max_rows + 1)) - self.skip_rows
+            and static_rows(n.args[0]) in self.rows
         ]
 
     def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:

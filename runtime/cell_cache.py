@@ -17,7 +17,7 @@ cells in use; every method always receives views of the same storage.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -69,11 +69,12 @@ def sequence_bit(seq: int) -> int:
     return (1 << seq) if seq < 63 else -(1 << 63)
 
 
-def _mask_of(seqs: set[int]) -> int:
+def sequence_mask(seqs: Iterable[int]) -> int:
+    """The int64 value with the bits of all of seqs set (0 for none)."""
     bits = 0
     for seq in seqs:
-        bits |= 1 << seq
-    return bits - (1 << 64) if bits >= 1 << 63 else bits  # as a signed int64
+        bits |= sequence_bit(seq)
+    return bits
 
 
 def _slack(needed: int) -> int:
@@ -256,7 +257,7 @@ class CellCache:
         them costs more than moving them, moves cells so that seqs' cells and
         `extra` free ones are the lowest above the scratch cell. Returns the
         number of cells moved. Call check_step first."""
-        bits = _mask_of(seqs)
+        bits = sequence_mask(seqs)
         mine = (self.owners & bits) != 0
         free = self.owners == 0
         free[SCRATCH_CELL] = False
@@ -291,7 +292,7 @@ class CellCache:
     def read_len(self, seqs: set[int] | None = None) -> int:
         """One past the highest cell that one of `seqs` owns (any sequence when
         None); the scratch cell counts, so at least 1."""
-        owned = self.owners if seqs is None else self.owners & _mask_of(seqs)
+        owned = self.owners if seqs is None else self.owners & sequence_mask(seqs)
         occupied = torch.nonzero(owned).squeeze(1)
         return int(occupied[-1]) + 1 if len(occupied) else SCRATCH_CELL + 1
 

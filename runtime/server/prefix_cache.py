@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from kvexport.runtime.cell_cache import sequence_bit
+from kvexport.runtime.cell_cache import sequence_mask
 from kvexport.runtime.offgraph import OffgraphKVManager, Session
 
 BLOCK_TOKENS = 16
@@ -150,10 +150,7 @@ class PrefixCache:
 
     def cached_only_cells(self) -> int:
         """Cells that only cached holders own."""
-        bits = 0
-        for holder in self.holders.values():
-            if holder.cached:
-                bits |= sequence_bit(holder.session.seq)
+        bits = sequence_mask(h.session.seq for h in self.holders.values() if h.cached)
         if bits == 0:
             return 0
         owners = self.manager.cache.owners

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from kvexport.passes.base import RewritePass, arguments, emit, static_rows
+from kvexport.partitioners.aoti.passes.rows_linear import emit_rows_product
+from kvexport.passes.base import RewritePass, arguments, static_rows
 from kvexport.passes.packed_weights import BITS, _dequantize_packed, lanes_of
 
 aten = torch.ops.aten
@@ -146,18 +147,5 @@ class PackedLinearPass(RewritePass):
         return found
 
     def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
-        given = arguments(node)
-        x, weight, bias = given["input"], given["weight"], given.get("bias")
-        words, scale, offset, bits = packed_weight(weight)
-        lead, width = list(x.meta["val"].shape[:-1]), x.meta["val"].shape[-1]
-        out_features = weight.meta["val"].shape[0]
-
-        def op(target, *args, **kwargs):
-            return emit(graph, node, target, *args, **kwargs)
-
-        flat = op(aten.clone.default, op(aten.reshape.default, x, [static_rows(x), width]),
-                  memory_format=torch.contiguous_format)
-        out = op(PACKED_LINEAR, flat, words, scale, offset, bits, out_features)
-        if bias is not None:
-            out = op(aten.add.Tensor, out, bias)
-        return op(aten.reshape.default, out, [*lead, out_features])
+        words, scale, offset, bits = packed_weight(arguments(node)["weight"])
+        return emit_rows_product(graph, node, PACKED_LINEAR, words, scale, offset, bits, node.meta["val"].shape[-1])

@@ -23,8 +23,7 @@ import torch.fx
 
 from torch._subclasses.fake_tensor import FakeTensor
 
-from kvexport.passes.base import arguments, emit, static_rows
-from kvexport.passes.weight_stationary_linear import Fp32LinearRewrite
+from kvexport.passes.base import RewritePass, arguments, emit, static_rows
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -46,12 +45,30 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 ROWS_LINEAR = torch.ops.kvexport.rows_linear.default
 
 
-class RowsLinearPass(Fp32LinearRewrite):
+def emit_rows_product(graph: torch.fx.Graph, node: torch.fx.Node, target, *operands) -> torch.fx.Node:
+    """What replaces linear `node` by a kernel `target(x rows, *operands)`
+    that returns [rows, out_features]: x's leading dims flattened into
+    contiguous rows, the bias added, the leading dims restored."""
+    given = arguments(node)
+    x, bias = given["input"], given.get("bias")
+    lead, width = list(x.meta["val"].shape[:-1]), x.meta["val"].shape[-1]
+    out_features = node.meta["val"].shape[-1]
+
+    def op(op_target, *args, **kwargs):
+        return emit(graph, node, op_target, *args, **kwargs)
+
+    flat = op(aten.clone.default, op(aten.reshape.default, x, [static_rows(x), width]), memory_format=torch.contiguous_format)
+    out = op(target, flat, *operands)
+    if bias is not None:
+        out = op(aten.add.Tensor, out, bias)
+    return op(aten.reshape.default, out, [*lead, out_features])
+
+
+class RowsLinearPass(RewritePass):
     name = "rows_linear"
     leftover = "fp32 and bf16 linears over the row kernel's row counts left on the BLAS"
 
     def __init__(self, rows: tuple[int, ...]):
-        super().__init__(max(rows, default=0))
         self.rows = frozenset(rows)
 
     def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
@@ -69,13 +86,4 @@ class RowsLinearPass(Fp32LinearRewrite):
         return found
 
     def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
-        x, weight, bias, lead, width, rows, out_features = self.parts(node)
-
-        def op(target, *args, **kwargs):
-            return emit(graph, node, target, *args, **kwargs)
-
-        flat = op(aten.clone.default, op(aten.reshape.default, x, [rows, width]), memory_format=torch.contiguous_format)
-        out = op(ROWS_LINEAR, flat, weight)
-        if bias is not None:
-            out = op(aten.add.Tensor, out, bias)
-        return op(aten.reshape.default, out, [*lead, out_features])
+        return emit_rows_product(graph, node, ROWS_LINEAR, arguments(node)["weight"])
