@@ -77,6 +77,7 @@ def _progress(message: str) -> None:
 @click.option("--qlinear-algorithm", type=click.Choice(list(schemes.ALGORITHMS)), help="How a group's scale and offset are chosen: minmax (the default) or hqq (HQQ's search).")
 @click.option("--qlinear-keep-8w", help="With --qlinear 4w: comma-separated module patterns kept at 8 bits (e.g. '*.down_proj'), or sensitive:FRACTION for the most sensitive FRACTION measured on a calibration text.")
 @click.option("--qlinear-group-size", type=int, help="Group size (a power of two; default 32 for 4-bit, per channel for 8w).")
+@click.option("--qact", type=click.Choice(list(schemes.QACT)), help="With --qlinear 8w, 4w or gguf: int8 rounds each row of a linear's input to int8 codes with a step per block of 32, the arithmetic of integer dot products; none keeps it float (weight-only). Default: int8 where the backend multiplies int8 on its own kernels (aoti on x86 with --packed-kernel on), else none. Linears whose groups are not whole blocks of 32, or that share an embedding's codes, keep float activations; the coverage report lists them.")
 @click.option("--qembedding", type=click.Choice(list(schemes.QEMBEDDING)), help=f"Quantize embeddings (a tied LM head shares the codes). {schemes.help_text('embedding')}.")
 @click.option("--min-prefill-chunk", type=int, help="Fewest selected rows forward_others takes (get_min_prefill_chunk, default 1).")
 @click.option("--backend", type=click.Choice(backend_ids()), help="; ".join(f"{b.id}: {b.description}" for b in map(get_backend, backend_ids())) + " (default portable).")

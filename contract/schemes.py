@@ -43,7 +43,8 @@ SCHEMES = (
            "torchao", algorithms=False),
 )
 BY_NAME = {scheme.name: scheme for scheme in SCHEMES}
-ALGORITHMS = ("minmax", "hqq")  # a group's scale and offset from its range, or from HQQ's search
+ALGORITHMS = ("minmax", "hqq")
+QACT = ("none", "int8")  # --qact: a packed linear's activations kept float, or rounded to int8 per block of 32  # a group's scale and offset from its range, or from HQQ's search
 QLINEAR = tuple(s.name for s in SCHEMES if s.linears)
 QEMBEDDING = tuple(s.name for s in SCHEMES if s.embeddings)
 
@@ -58,7 +59,12 @@ def help_text(kind: str) -> str:
     return "; ".join(f"{name}: {BY_NAME[name].help}" for name in names)
 
 
-def check(qlinear: str, qembedding: str, group_size: int, algorithm: str, keep_8w: str) -> str | None:
+def int8_activations(row: Scheme | None) -> bool:
+    """Whether a scheme's linears can take int8 activations (--qact int8)."""
+    return row is not None and row.linears and row.storage in ("packed", "gguf")
+
+
+def check(qlinear: str, qembedding: str, group_size: int, algorithm: str, keep_8w: str, qact: str = "") -> str | None:
     """Why this combination of quantization flags cannot be honoured, or None."""
     if qlinear not in ("", *QLINEAR):
         return f"--qlinear must be one of {', '.join(QLINEAR)}, got {qlinear!r}"
@@ -67,6 +73,12 @@ def check(qlinear: str, qembedding: str, group_size: int, algorithm: str, keep_8
     if algorithm not in ALGORITHMS:
         return f"--qlinear-algorithm must be one of {', '.join(ALGORITHMS)}, got {algorithm!r}"
     row = BY_NAME.get(qlinear)
+    if qact not in ("", *QACT):
+        return f"--qact must be one of {', '.join(QACT)}, got {qact!r}"
+    if qact == "int8" and not int8_activations(row):
+        able = [s.name for s in SCHEMES if int8_activations(s)]
+        return (f"--qact {qact} rounds the activations of linears with packed codes ({', '.join(able)}): "
+                f"add --qlinear {able[0]}" + (" (8da4w rounds its own)" if qlinear == "8da4w" else ""))
     if keep_8w and not (row and row.keeps_8w):
         able = [s.name for s in SCHEMES if s.keeps_8w]
         return f"--qlinear-keep-8w keeps some linears at 8 bits in a --qlinear {'/'.join(able)} export; add --qlinear {able[0]}"

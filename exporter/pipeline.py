@@ -154,12 +154,20 @@ def quantize(state: ExportState) -> None:
     state.coverage = quantize_model(
         loaded.model, spec.qlinear, spec.qlinear_group_size, spec.qembedding,
         algorithm=spec.qlinear_algorithm, keep_8w=tuple(p.strip() for p in spec.qlinear_keep_8w.split(",") if p.strip()), tokenizer=loaded.tokenizer,
-        gguf=loaded.gguf, progress=state.progress,
+        gguf=loaded.gguf, qact=_qact(spec, state.options), progress=state.progress,
     )
     inner = plain_weights(loaded.model)  # torchao's (8da4w)
     for row in state.coverage:
         if row["module"] in inner:
             row["stored"] = inner[row["module"]]  # tensors for now: named once weights are gathered
+
+
+def _qact(spec, options) -> str:
+    """--qact as asked, or int8 where the backend multiplies int8 activations
+    on its own kernels and the scheme can take them."""
+    if spec.qact:
+        return spec.qact
+    return "int8" if options.int8_products and schemes.int8_activations(schemes.BY_NAME.get(spec.qlinear)) else "none"
 
 
 @step("reference (float)")
@@ -188,8 +196,10 @@ def _reference(state: ExportState) -> ReferenceSection:
     config = loaded.model.config.get_text_config()
     native = getattr(config, "max_position_embeddings", None) or 4096
     context = min(native, spec.max_context_len or native)
+    int8 = any(row.get("activations") == "int8" for row in state.coverage)
     return golden.reference(loaded.model, loaded.tokenizer, dtype=spec.dtype, steps=spec.verify_tokens,
-                            widest_static=max(spec.forward_sizes), context=context, progress=state.progress)
+                            widest_static=max(spec.forward_sizes), context=context, int8_activations=int8,
+                            progress=state.progress)
 
 
 @step("build forward")

@@ -38,6 +38,7 @@ class ExportSpec:
     qlinear_algorithm: str = "minmax"  # minmax | hqq: how a group's scale and offset are chosen
     qlinear_keep_8w: str = ""  # 4w: comma-separated module patterns (or sensitive:FRACTION) kept at 8 bits
     qembedding: str = ""  # 8w
+    qact: str = ""  # none | int8: a packed linear's activations kept float, or rounded to int8 per block of 32; "": int8 where the backend has the kernels
     min_prefill_chunk: int = 1
     backend: str = DEFAULT_BACKEND
     device: str = "cpu"  # aoti: the device the methods are compiled for
@@ -95,7 +96,7 @@ class ExportSpec:
         if self.dtype not in DTYPES:
             raise SpecError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if (why := schemes.check(self.qlinear, self.qembedding, self.qlinear_group_size, self.qlinear_algorithm,
-                                 self.qlinear_keep_8w)) is not None:
+                                 self.qlinear_keep_8w, self.qact)) is not None:
             raise SpecError(why)
         group = self.qlinear_group_size
         if not _is_int(group) or group < 0 or (group and group & (group - 1)):

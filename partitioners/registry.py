@@ -33,6 +33,8 @@ class BackendOptions:
 
     device: str = "cpu"
     compile_workers: int = 0  # processes its compile hook runs at once (the memory plan counts each)
+    # products with int8 activations run on its integer kernels: --qact's default is int8
+    int8_products: bool = False
 
 
 @dataclass

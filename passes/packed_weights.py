@@ -1,5 +1,6 @@
-"""Packed integer weights: the stored format, the operator that says what
-it means, and the form AOTInductor compiles for a product with a few rows.
+"""Packed integer weights: the stored formats (row lanes; blocks, for
+products with int8 activations), the operators that say what they mean, and
+the form AOTInductor compiles for a product with a few rows.
 
 Format (row lanes). Codes of `bits` bits (4 or 8) sit `lanes = 32 // bits`
 to an int32 word: lane b of word [r, k] holds code [b * R + r, k] of the
@@ -116,6 +117,72 @@ def dequantize_rows(words, scale, offset, bits: int, index: torch.Tensor, dtype:
     embedding = torch.nn.functional.embedding
     values = _values(codes, embedding(flat, scale), embedding(flat, offset), dtype)
     return values.reshape(*index.shape, word.shape[1])
+
+
+# ------------------------------------------------------------------ blocks
+# The format of products with int8 activations (--qact int8). Codes sit
+# along K, a row's blocks of 32 values apart: 8-bit codes a byte each,
+# uint8 [N, K]; 4-bit ones two a byte, uint8 [N, K / 2], byte i of a block's
+# 16 holding value i in its low nibble and value 16 + i in its high one, so
+# a block unpacks with a mask and a shift into 32 bytes in K order: the
+# operand of an integer dot product against 32 activation codes. Scale and
+# offset are [N, groups] (no padding), w = scale * code + offset as above.
+
+BLOCK = 32  # values per block of codes, and per scale of the int8 activations
+
+
+def pack_blocks(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [N, K] (each < 2**bits, K a multiple of 32) in the blocks format."""
+    if bits == 8:
+        return codes.to(torch.uint8).contiguous()
+    n, k = codes.shape
+    halves = codes.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
+def unpack_blocks(data: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [N, K]: the inverse of `pack_blocks`, in plain ATen."""
+    if bits == 8:
+        return data
+    n, half = data.shape
+    pairs = data.reshape(n, half // (BLOCK // 2), BLOCK // 2)
+    low, high = torch.bitwise_and(pairs, 15), torch.bitwise_right_shift(pairs, 4)
+    return torch.cat([low, high], -1).reshape(n, 2 * half)
+
+
+def _dequantize_blocks(data, scale, offset, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    return _values(unpack_blocks(data, bits), scale, offset, dtype)
+
+
+INV_127 = 1.0 / 127  # an int8 code's step is a block's largest magnitude times this (rounded to fp32)
+SMALLEST_TOP = 1e-30  # a block's largest magnitude counts as at least this, so an all-zero block has a step
+
+
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x with every row's blocks of 32 values rounded to int8 codes times a
+    step per block (symmetric: step = largest magnitude / 127), as float:
+    what an integer kernel multiplies. Written with the operators a stored
+    program may call (no abs: the larger of the max and minus the min)."""
+    *lead, k = x.shape
+    blocks = x.reshape(*lead, k // BLOCK, BLOCK)
+    top = torch.maximum(torch.amax(blocks, -1, True), torch.neg(torch.amin(blocks, -1, True)))
+    step = torch.mul(torch.clamp(top, SMALLEST_TOP), INV_127)
+    codes = torch.round(torch.div(blocks, step))
+    return torch.mul(codes, step).reshape(x.shape)
+
+
+_LIB.define("dequantize_blocks(Tensor data, Tensor scale, Tensor offset, int bits, ScalarType dtype) -> Tensor")
+_LIB.impl("dequantize_blocks", _dequantize_blocks, "CompositeImplicitAutograd")
+_LIB.define("int8_rows(Tensor x) -> Tensor")
+_LIB.impl("int8_rows", _int8_rows, "CompositeImplicitAutograd")
+
+
+def dequantize_blocks(data, scale, offset, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.ops.kvexport.dequantize_blocks(data, scale, offset, bits, dtype)
+
+
+def int8_rows(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.kvexport.int8_rows(x)
 
 
 def _is_packed(node: object) -> bool:

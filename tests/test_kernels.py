@@ -215,7 +215,64 @@ def test_the_packed_op_is_its_decomposition():
     assert_float_sum(packed_linear(x, words, scale, offset, 4, 40), x, weight)
 
 
+# ----------------------------------------------------------- int8 linear
+def int8_operands(bits: int, rows: int, out_features: int, width: int, groups: int, row_stride: int = 0):
+    """x, and a weight of random codes in blocks (every code value, 0 and the
+    top included) with random scales and offsets; plus x rounded to int8 by
+    the definition (passes/packed_weights.py) and the weight, both float64."""
+    from kvexport.passes.packed_weights import _int8_rows, pack_blocks
+
+    g = torch.Generator().manual_seed(bits * 7919 + rows * 1000 + out_features + width + groups + 1)
+    x = torch.randn(rows, row_stride or width, generator=g)[:, :width]
+    x[0, :32] = 0.0  # an all-zero block
+    if rows > 1:
+        x[1, 32:64] *= 1e4  # a block far larger than the rest of its row
+    codes = torch.randint(0, 1 << bits, (out_features, width), generator=g, dtype=torch.uint8)
+    codes[0, :2] = torch.tensor([0, (1 << bits) - 1], dtype=torch.uint8)
+    scale, offset = torch.rand(out_features, groups, generator=g) + 0.01, torch.randn(out_features, groups, generator=g)
+    size = width // groups
+    weight = (codes.double().reshape(out_features, groups, size) * scale.double()[..., None]
+              + offset.double()[..., None]).reshape(out_features, width)
+    return x, pack_blocks(codes, bits), scale, offset, _int8_rows(x).double(), weight
+
+
+# row counts over and under a register tile, weight rows not a multiple of a
+# tile (the last ones alone) or of a thread's band, per-row and grouped scales,
+# strided rows
+INT8_CASES = [(b, r, n, k, gr, 0) for b in (4, 8) for r in (1, 2, 3, 4, 5, 8, 9, 16)
+              for n, k, gr in ((64, 64, 2), (131, 96, 1), (5, 64, 1), (33, 576, 18))]
+INT8_CASES += [(4, 6, 40, 128, 2, 200), (8, 3, 7, 64, 2, 70), (4, 1, 1, 32, 1, 0)]
+
+
+@pytest.mark.parametrize("bits,rows,out_features,width,groups,row_stride", INT8_CASES)
+def test_int8_linear(isa, shims, bits, rows, out_features, width, groups, row_stride):
+    """The kernel rounds x to the same int8 codes as the definition and sums
+    their products exactly: one code off moves a result by a step times a
+    weight, far more than fp32 rounding (the bound) allows."""
+    x, data, scale, offset, rounded, weight = int8_operands(bits, rows, out_features, width, groups, row_stride)
+    out = torch.full((rows, out_features), float("nan"))
+    assert_float_sum(build.int8_linear(x, data, scale, offset, bits, out=out, isa=isa), rounded, weight)
+    assert_float_sum(shims.call("int8_linear", x, data, scale, offset, bits), rounded, weight)
+
+
+def test_the_int8_op_is_its_decomposition():
+    """kvexport::int8_linear's eager form (what tracing and the reference
+    run) is the stored rounding of x, the dequantization and a linear."""
+    from kvexport.partitioners.aoti.passes.int8_linear import int8_linear
+
+    x, data, scale, offset, rounded, weight = int8_operands(4, 3, 40, 64, 2)
+    assert_float_sum(int8_linear(x, data, scale, offset, 4), rounded, weight)
+
+
 # ------------------------------------------------------------ refusals
+def _int8(bits=4, width=64, groups=2, data_dtype=torch.uint8, scale_rows=40):
+    x, data, _, _, _, _ = int8_operands(4, 2, 40, 64, 2)
+    if width != 64:
+        x, data = torch.randn(2, width), torch.zeros(40, width // 2, dtype=torch.uint8)
+    scale, offset = torch.rand(scale_rows, groups) + 0.01, torch.randn(scale_rows, groups)
+    return x, data.to(data_dtype), scale, offset, bits
+
+
 def _packed(bits=4, groups=2, width=64, words_dtype=torch.int32, rows=40):
     x, words, scale, offset, _ = packed_operands(4, 2, 40, 64, 2)
     if width != 64:
@@ -229,6 +286,11 @@ REFUSED = [
     ("packed_linear", lambda: _packed(words_dtype=torch.int64), "words int32|int32 words"),
     ("packed_linear", lambda: _packed(width=60, groups=1), "multiple of 8 \\* groups"),
     ("packed_linear", lambda: _packed(rows=41), "rows must be within|rows <= lanes"),
+    ("int8_linear", lambda: _int8(bits=2), "bits must be 4 or 8|of 4 or 8 bits"),
+    ("int8_linear", lambda: _int8(data_dtype=torch.int8), "data uint8|uint8 data"),
+    ("int8_linear", lambda: _int8(width=48, groups=1), "multiple of 32"),
+    ("int8_linear", lambda: _int8(groups=4), "multiple of 32 \\* groups"),
+    ("int8_linear", lambda: _int8(scale_rows=39), "\\[N, groups\\]"),
     ("rows_linear", lambda: (torch.randn(2, 8), torch.randn(4, 9)), "weight must be \\[N, K\\]"),
     ("rows_linear", lambda: (torch.randn(2, 8), torch.randn(8, 4).t()), "unit stride along K"),
     ("rows_linear", lambda: (torch.randn(2, 8).double(), torch.randn(4, 8).double()), "float32"),

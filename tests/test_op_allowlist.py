@@ -74,15 +74,16 @@ def test_every_listed_overload_exists():
         assert isinstance(getattr(getattr(getattr(torch.ops, namespace), op), overload), torch._ops.OpOverload), target
 
 
-def test_the_aoti_backends_stored_programs_use_only_listed_overloads(tmp_path):
+@pytest.mark.parametrize("qact", ["none", "int8"])
+def test_the_aoti_backends_stored_programs_use_only_listed_overloads(tmp_path, qact):
     """What the aoti backend's passes store (its fused products over
-    quantized weights), without compiling: its partitioner on the portable
-    pipeline."""
+    quantized weights, the rounding of int8 activations), without compiling:
+    its partitioner on the portable pipeline."""
     from kvexport.partitioners.aoti.partitioner import AotiPartitioner
 
-    aoti = [AotiPartitioner("cpu", kernel_rows=(1, 2, 4, 8))]
+    aoti = [AotiPartitioner("cpu", kernel_rows=(1, 2, 4, 8), packed_rows=(1, 2))]
     package = export_tiny("tiny-llama", tmp_path / "aoti-4w", verify=False, qlinear="4w", qembedding="8w",
-                          partitioners=aoti).path
+                          qact=qact, partitioners=aoti).path
     assert not off_the_list(package), "add these to contract/op_allowlist.py with the reason each is safe"
 
 

@@ -12,7 +12,13 @@ Schemes:
 
 Every scheme but 8da4w stores packed row-lane words with a float scale and
 offset per group, `w = scale * code + offset` (passes/packed_weights.py),
-read through PackedLinear / PackedEmbedding. The scale and offset of a group
+read through PackedLinear / PackedEmbedding. With `--qact int8` a linear's
+activations are rounded too, per row in blocks of 32 to int8 codes and a
+step (passes/packed_weights.py, int8_rows), and its codes are stored in
+blocks along K (Int8Linear): the arithmetic of integer dot products, which
+the eager reference, the portable backend and the aoti kernel all compute.
+A linear whose groups are not whole blocks, or that shares an embedding's
+codes, keeps float activations; the coverage report says which. The scale and offset of a group
 come from its minimum and maximum (the offset is a float, like GGUF's Q4_1,
 so both ends of every group are exact) or from HQQ's search
 (`--qlinear-algorithm hqq`), stored in fp32. `--qlinear-keep-8w` keeps linears at 8
@@ -35,7 +41,9 @@ from kvexport.contract import schemes
 from kvexport.contract.errors import SpecError
 from kvexport.exporter.memory import release_freed_memory
 from kvexport.exporter.quantization.gguf_codes import GroupCodes, read_gguf_codes
-from kvexport.passes.packed_weights import dequantize_packed, dequantize_rows, pack, pad_rows
+from kvexport.passes.packed_weights import (
+    BLOCK, dequantize_blocks, dequantize_packed, dequantize_rows, int8_rows, pack, pack_blocks, pad_rows,
+)
 
 KEPT_8W = schemes.scheme("8w")  # what --qlinear-keep-8w keeps a linear at
 FOUR_BIT = schemes.scheme("4w")  # what the sensitivity of a linear is measured at
@@ -65,6 +73,25 @@ class PackedLinear(nn.Module):
         return F.linear(x, weight, self.bias)
 
 
+class Int8Linear(nn.Module):
+    """A linear with int8 activations over codes in blocks:
+    F.linear(int8_rows(x), dequantize_blocks(...)), the arithmetic of an
+    integer dot product per block of 32; the backend's passes pick the kernel."""
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        self.register_buffer("data", data)
+        self.register_buffer("scale", scale)
+        self.register_buffer("offset", offset)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.bits, self.out_features, self.in_features = bits, data.shape[0], data.shape[1] * 8 // bits
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = dequantize_blocks(self.data, self.scale, self.offset, self.bits, x.dtype)
+        return F.linear(int8_rows(x), weight, self.bias)
+
+
 class PackedEmbedding(nn.Module):
     """An embedding over packed codes: only the looked-up rows are unpacked.
     Keeps a scaled embedding's `embed_scale` (Gemma's)."""
@@ -85,12 +112,24 @@ class PackedEmbedding(nn.Module):
         return values
 
 
-def packed(codes: GroupCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def packed(codes: GroupCodes, blocks: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(words, scale, offset, lane bits) to store: 4-bit codes two a byte,
-    wider ones a byte each; scales and offsets in fp32 (stored in fp16, a
-    compiled product converted each one scalar by scalar: 4 x slower)."""
+    wider ones a byte each, in row lanes or (`blocks`) along K; scales and
+    offsets in fp32 (stored in fp16, a compiled product converted each one
+    scalar by scalar: 4 x slower)."""
     bits = 4 if codes.bits <= 4 else 8
+    if blocks:
+        return pack_blocks(codes.codes, bits), codes.scale.float().contiguous(), codes.offset.float().contiguous(), bits
     return pack(codes.codes, bits), pad_rows(codes.scale.float(), bits), pad_rows(codes.offset.float(), bits), bits
+
+
+def int8_refusal(codes: GroupCodes, shares: str | None) -> str | None:
+    """Why a linear with these codes keeps float activations under --qact int8, or None."""
+    if shares:
+        return f"shares the codes of {shares}, stored for lookups"
+    if codes.group % BLOCK or codes.codes.shape[1] % BLOCK:
+        return f"its groups of {codes.group} are not whole blocks of {BLOCK}"
+    return None
 
 
 CHUNK_VALUES = 1 << 24  # minmax quantizes this many values at a time (64 MB of fp32 temporaries)
@@ -137,12 +176,13 @@ def _encode(grouped: torch.Tensor, offset: torch.Tensor, scale: torch.Tensor, to
 def quantize_model(
     model: nn.Module, qlinear: str, group_size: int, qembedding: str, *,
     algorithm: str = "minmax", keep_8w: tuple[str, ...] = (), gguf: str | None = None, tokenizer: Any = None,
-    progress: Callable[[str], None] = lambda message: None,
+    qact: str = "none", progress: Callable[[str], None] = lambda message: None,
 ) -> list[dict[str, Any]]:
     """Quantizes in place; returns one coverage row per linear and
     embedding. A tied LM head shares the embedding's codes when both are
     quantized (one stored copy); other tied weights are skipped, since
-    quantizing one would untie them and store both."""
+    quantizing one would untie them and store both. With `qact` int8 the
+    linears that can take int8 activations do (`activations` in their row)."""
     if qlinear == "8da4w":
         return _torchao_8da4w(model, group_size, qembedding)
     modules = {fqn: m for fqn, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
@@ -169,11 +209,14 @@ def quantize_model(
             continue
         row.update(scheme=f"{codes.bits}w" if qlinear != "gguf" else "gguf", bits=codes.bits,
                    granularity="per row" if codes.group == module.weight.shape[1] else f"per group of {codes.group}")
+        if kind == "linear" and qact == "int8":
+            why_not = int8_refusal(codes, shares)
+            row["activations"] = "int8" if why_not is None else f"float ({why_not})"
         if shares and shares in done and done[shares] is codes:
             row["shared_with"] = shares
         elif id(codes) not in packed_by:
             # packed now, the unpacked codes dropped: a model's codes and words are never held at once
-            words = packed(codes)
+            words = packed(codes, blocks=row.get("activations") == "int8")
             codes = dataclasses.replace(codes, codes=torch.empty(0, dtype=torch.uint8))
             packed_by[id(codes)] = words
         done[fqn] = codes
@@ -225,12 +268,15 @@ def _install(model: nn.Module, modules: dict[str, nn.Module], done: dict[str, Gr
         n = module.weight.shape[0]
         if isinstance(module, nn.Linear):
             bias = module.bias.detach() if module.bias is not None else None
-            new: nn.Module = PackedLinear(words, scale, offset, bits, n, bias)
+            if by_module[fqn].get("activations") == "int8":
+                new: nn.Module = Int8Linear(words, scale, offset, bits, bias)
+            else:
+                new = PackedLinear(words, scale, offset, bits, n, bias)
         else:
             new = PackedEmbedding(words, scale, offset, bits, n, module.weight.dtype, getattr(module, "embed_scale", None))
         parent, _, name = fqn.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, name, new)
-        by_module[fqn]["stored"] = {"words": words, "scale": scale, "offset": offset}
+        by_module[fqn]["stored"] = {"data" if isinstance(new, Int8Linear) else "words": words, "scale": scale, "offset": offset}
 
 
 def _shared_tie(group: list[str], modules: dict[str, nn.Module]) -> str | None:
@@ -355,4 +401,8 @@ def coverage_summary(rows: list[dict[str, Any]]) -> list[str]:
                 lines.append(f"  skipped {r['module']}: {r['skipped']}")
             if r.get("shared_with"):
                 lines.append(f"  {r['module']} shares the codes of {r['shared_with']} (tied)")
+        asked = [r for r in done if "activations" in r]
+        if asked:
+            lines.append(f"int8 activations on {sum(r['activations'] == 'int8' for r in asked)} of {len(asked)} quantized {kind}s")
+            lines += [f"  float activations on {r['module']}: {r['activations'][7:-1]}" for r in asked if r["activations"] != "int8"]
     return lines

@@ -48,7 +48,7 @@ def _configure(spec) -> AotiOptions:
     # one compile process per core, and no more than there are methods
     methods = len(spec.forward_sizes) + 1
     workers = spec.compile_workers or min(os.cpu_count() or 1, methods)
-    return AotiOptions(spec.device, workers, rows, packed)
+    return AotiOptions(spec.device, workers, int8_products=bool(packed), kernel_rows=rows, packed_rows=packed)
 
 
 def _partitioners(options: AotiOptions) -> list:

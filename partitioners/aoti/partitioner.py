@@ -11,7 +11,7 @@ import torch
 import torch.fx
 
 from kvexport.partitioners.portable.partitioner import PortablePartitioner
-from kvexport.passes.base import Pass
+from kvexport.passes.base import Pass, static_rows
 from kvexport.passes.packed_weights import FusedPackedLinearPass
 from kvexport.passes.quantized_weights import FusedDequantizeMatmulPass
 from kvexport.passes.weight_stationary_linear import WeightStationaryLinearPass
@@ -56,7 +56,7 @@ class AotiPartitioner(PortablePartitioner):
     def kernel_choice_passes(self) -> list[Pass]:
         if self.device != "cpu":
             return super().kernel_choice_passes()
-        return [FusedDequantizeMatmulPass(), _LeavePackedProducts(self.packed_rows, skip_rows=self.kernel_rows)]
+        return [_LeaveInt8Products(self.packed_rows), _LeavePackedProducts(self.packed_rows, skip_rows=self.kernel_rows)]
 
 
 class _LeavePackedProducts(WeightStationaryLinearPass):
@@ -69,7 +69,26 @@ class _LeavePackedProducts(WeightStationaryLinearPass):
         self.packed_rows = frozenset(packed_rows)
 
     def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+        from kvexport.partitioners.aoti.passes.int8_linear import int8_product
         from kvexport.partitioners.aoti.passes.packed_linear import packed_weight
 
         return [n for n in super().candidates(graph_module)
-                if not (self.parts(n)[5] in self.packed_rows and packed_weight(self.parts(n)[1]) is not None)]
+                if not (self.parts(n)[5] in self.packed_rows
+                        and (packed_weight(self.parts(n)[1]) is not None or int8_product(n) is not None))]
+
+
+class _LeaveInt8Products(FusedDequantizeMatmulPass):
+    """Dequantized products fused with their few rows, except products with
+    int8 activations over the packed kernel's row counts: the compile must
+    find those as linears (passes/int8_linear.py)."""
+
+    def __init__(self, packed_rows: tuple[int, ...]):
+        super().__init__()
+        self.packed_rows = frozenset(packed_rows)
+
+    def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+        from kvexport.partitioners.aoti.passes.int8_linear import int8_product
+
+        return [n for n in super().candidates(graph_module)
+                if not (static_rows(n.args[0]) in self.packed_rows and n.target is torch.ops.aten.linear.default
+                        and int8_product(n) is not None)]

@@ -1,8 +1,11 @@
 """Builds kvexport's kernels for the instruction set inductor compiles for,
 and hands AOTInductor what it needs to call them. The kernels (their C
 signatures are the table in signatures.py): rows_linear (rows_linear.cpp,
-fp32 products over a few rows) and masked_attention (masked_attention.cpp,
-a few query rows over a cell pool), both written in vec.h's vocabulary.
+fp32 and bf16 products over a few rows), masked_attention
+(masked_attention.cpp, a few query rows over a cell pool), packed_linear
+(packed_linear.cpp, few rows by packed 4/8-bit weights) and int8_linear
+(int8_linear.cpp, the same with int8 activations, integer dot products), all
+written in vec.h's vocabulary.
 
 Builds, each kept in kvexport's cache directory under a key of the sources,
 the flags and the compiler:
@@ -31,6 +34,7 @@ from pathlib import Path
 
 from kvexport.contract.errors import ExportError
 from kvexport.partitioners.aoti.kernels.signatures import (
+    INT8_LINEAR,
     KERNELS,
     MASKED_ATTENTION,
     PACKED_LINEAR,
@@ -41,7 +45,7 @@ from kvexport.partitioners.aoti.kernels.signatures import (
 )
 
 HERE = Path(__file__).parent
-MATH = (HERE / "rows_linear.cpp", HERE / "masked_attention.cpp", HERE / "packed_linear.cpp")
+MATH = (HERE / "rows_linear.cpp", HERE / "masked_attention.cpp", HERE / "packed_linear.cpp", HERE / "int8_linear.cpp")
 SHIMS = HERE / "shims.cpp"
 FILES = (*MATH, SHIMS, HERE / "vec.h", HERE / "signatures.py")  # everything a build reads
 LIBRARY = "kvexport_kernels"
@@ -62,6 +66,7 @@ def inductor_configs() -> dict:
     import torch
 
     # the passes' modules define the kvexport:: ops; all of them, whichever kernels this compile uses
+    import kvexport.partitioners.aoti.passes.int8_linear  # noqa: F401
     import kvexport.partitioners.aoti.passes.masked_attention  # noqa: F401
     import kvexport.partitioners.aoti.passes.packed_linear  # noqa: F401
     import kvexport.partitioners.aoti.passes.rows_linear  # noqa: F401
@@ -137,6 +142,29 @@ def packed_linear(x, words, scale, offset, bits: int, rows: int, out=None, isa: 
                          "1 <= rows <= lanes * R and out [M, rows]")
     shared_kernel(isa)[PACKED_LINEAR.name](x.data_ptr(), x.stride(0), words.data_ptr(), scale.data_ptr(),
                                             offset.data_ptr(), out.data_ptr(), m, rows, k, r, groups, bits)
+    return out
+
+
+def int8_linear(x, data, scale, offset, bits: int, out=None, isa: str | None = None):
+    """x [M, K] (unit stride along K), its rows rounded to int8 per block of
+    32, times the weight of codes in blocks (data uint8 [N, K * bits / 8],
+    scale and offset fp32 [N, groups], passes/packed_weights.py) transposed,
+    on the int8_linear kernel (built for `isa`), into out [M, N] when given."""
+    import torch
+
+    (m, k), n = x.shape, data.shape[0]
+    groups = scale.shape[1] if scale.dim() == 2 else 0
+    out = x.new_empty(m, n) if out is None else out
+    if not (bits in (4, 8) and x.dtype == scale.dtype == offset.dtype == out.dtype == torch.float32
+            and data.dtype == torch.uint8 and data.dim() == 2 and data.shape[1] * 8 == k * bits and x.stride(1) == 1
+            and data.is_contiguous() and scale.is_contiguous() and offset.is_contiguous()
+            and tuple(scale.shape) == tuple(offset.shape) == (n, groups) and groups and k % (32 * groups) == 0
+            and out.is_contiguous() and tuple(out.shape) == (m, n)):
+        raise ValueError("int8_linear takes fp32 x [M, K] with unit stride along K, contiguous uint8 data "
+                         "[N, K * bits / 8] of 4 or 8 bits, fp32 scale and offset [N, groups] with K a multiple of "
+                         "32 * groups, and out [M, N]")
+    shared_kernel(isa)[INT8_LINEAR.name](x.data_ptr(), x.stride(0), data.data_ptr(), scale.data_ptr(),
+                                          offset.data_ptr(), out.data_ptr(), m, n, k, groups, bits)
     return out
 
 

@@ -1,10 +1,10 @@
 // The AOTInductor C shims of kvexport's kernels: what a compiled method's
 // generated code calls for the custom ops kvexport::rows_linear,
-// kvexport::masked_attention and kvexport::packed_linear (the backend's passes
+// kvexport::masked_attention, kvexport::packed_linear and kvexport::int8_linear (the backend's passes
 // emit them). Each shim reads its tensor handles, checks them against what the
 // math takes (the compile guarantees them; a shim checks rather than trusts),
 // says on stderr why it refuses any, allocates the result and calls the math
-// (rows_linear.cpp, masked_attention.cpp, packed_linear.cpp). Built only into
+// (rows_linear.cpp, masked_attention.cpp, packed_linear.cpp, int8_linear.cpp). Built only into
 // the static archive AOTInductor links.
 
 #include <cmath>
@@ -184,6 +184,51 @@ extern "C" AOTITorchError aoti_torch_cpu_packed_linear(AtenTensorHandle x, AtenT
     kvexport_packed_linear((const float*)a.data, M > 1 ? a.strides[0] : K, (const int32_t*)w.data,
                            (const float*)s.data, (const float*)o.data, (float*)out_data, M, rows, K, w.sizes[0],
                            s.sizes[1], bits);
+  *ret0 = out;
+  return AOTI_TORCH_SUCCESS;
+}
+
+namespace {
+
+// why int8_linear cannot take these operands, or nullptr
+const char* int8_problem(const Operand& x, const Operand& data, const Operand& scale, const Operand& offset,
+                         int64_t bits) {
+  if (bits != 4 && bits != 8) return "bits must be 4 or 8";
+  if (x.dims != 2 || data.dims != 2 || scale.dims != 2 || offset.dims != 2)
+    return "x, data, scale and offset must be 2-d";
+  if (x.dtype != aoti_torch_dtype_float32() || scale.dtype != aoti_torch_dtype_float32() ||
+      offset.dtype != aoti_torch_dtype_float32() || data.dtype != aoti_torch_dtype_uint8())
+    return "x, scale and offset must be float32 and data uint8";
+  const int64_t M = x.sizes[0], K = x.sizes[1], N = data.sizes[0], groups = scale.sizes[1];
+  if (K % 32) return "K must be a multiple of 32";
+  if (data.sizes[1] * 8 != K * bits) return "x is [M, K] and data must be [N, K * bits / 8]";
+  if (scale.sizes[0] != N || offset.sizes[0] != N || offset.sizes[1] != groups)
+    return "scale and offset must be [N, groups]";
+  if (groups < 1 || K % (32 * groups)) return "K must be a multiple of 32 * groups";
+  if (x.strides[1] != 1 || (M > 1 && x.strides[0] < K)) return "x needs unit stride along K, rows apart";
+  if (data.strides[1] != 1 || (N > 1 && data.strides[0] != data.sizes[1]) || scale.strides[1] != 1 ||
+      scale.strides[0] != groups || offset.strides[1] != 1 || offset.strides[0] != groups)
+    return "data, scale and offset must be contiguous";
+  return nullptr;
+}
+
+}  // namespace
+
+extern "C" AOTITorchError aoti_torch_cpu_int8_linear(AtenTensorHandle x, AtenTensorHandle data,
+                                                     AtenTensorHandle scale, AtenTensorHandle offset, int64_t bits,
+                                                     AtenTensorHandle* ret0) {
+  Operand a, d, s, o;
+  if (!read(x, a) || !read(data, d) || !read(scale, s) || !read(offset, o))
+    return refuse("int8_linear", "a tensor handle could not be read");
+  if (const char* why = int8_problem(a, d, s, o, bits)) return refuse("int8_linear", why);
+  const int64_t M = a.sizes[0], K = a.sizes[1], N = d.sizes[0];
+  const int64_t size[2] = {M, N};
+  AtenTensorHandle out;
+  void* out_data;
+  if (new_fp32(2, size, &out, &out_data)) return refuse("int8_linear", "the result could not be allocated");
+  if (M > 0 && N > 0)
+    kvexport_int8_linear((const float*)a.data, M > 1 ? a.strides[0] : K, (const uint8_t*)d.data, (const float*)s.data,
+                         (const float*)o.data, (float*)out_data, M, N, K, s.sizes[1], bits);
   *ret0 = out;
   return AOTI_TORCH_SUCCESS;
 }

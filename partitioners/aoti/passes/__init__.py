@@ -9,13 +9,15 @@ from kvexport.passes.base import Pass
 
 
 def compile_passes(kernel_rows: tuple[int, ...], packed_rows: tuple[int, ...] = ()) -> list[Pass]:
-    """Packed products first: the row kernel would take their dequantized
-    weights as fp32 ones."""
+    """Products by packed weights first (int8 and weight-only, on the same
+    row counts): the row kernel would take their dequantized weights as fp32
+    ones."""
     passes: list[Pass] = []
     if packed_rows:
+        from kvexport.partitioners.aoti.passes.int8_linear import Int8LinearPass
         from kvexport.partitioners.aoti.passes.packed_linear import PackedLinearPass
 
-        passes.append(PackedLinearPass(packed_rows))
+        passes += [Int8LinearPass(packed_rows), PackedLinearPass(packed_rows)]
     if kernel_rows:
         from kvexport.partitioners.aoti.passes.masked_attention import MaskedAttentionPass
         from kvexport.partitioners.aoti.passes.rows_linear import RowsLinearPass

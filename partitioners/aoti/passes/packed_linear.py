@@ -102,9 +102,10 @@ def _codes(node: object) -> tuple[torch.fx.Node, int] | None:
     return None
 
 
-def packed_weight(weight: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, int] | None:
-    """(words, scale, offset, bits) when `weight` is exactly the packed
-    weight's dequantization, codes * scale + offset per group; else None."""
+def dequantized(weight: object, codes_of) -> tuple[object, torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
+    """(what `codes_of` found, scale, offset, the product) when `weight` is
+    codes * scale + offset per group, the codes recognised by `codes_of`
+    (a node -> its stored form, or None) and scale and offset fp32 weights."""
     total = _source(weight)
     if not (isinstance(total, torch.fx.Node) and total.target is aten.add.Tensor and len(total.args) == 2):
         return None
@@ -113,16 +114,25 @@ def packed_weight(weight: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, 
         if not (isinstance(product, torch.fx.Node) and product.target is aten.mul.Tensor and _stored(offset, torch.float32)):
             continue
         for codes, scale in (product.args, reversed(product.args)):
-            codes, scale = _codes(_source(codes)), _source(scale)
-            if codes is None or not _stored(scale, torch.float32):
-                continue
-            words, bits = codes
-            (r, k), (scale_rows, groups) = _val(words).shape, _val(scale).shape
-            w = _val(weight)
-            if (scale_rows == lanes_of(bits) * r and tuple(_val(offset).shape) == (scale_rows, groups)
-                    and k % (8 * groups) == 0 and tuple(_val(product).shape[-2:]) == (groups, k // groups)
-                    and w.dtype == torch.float32 and w.dim() == 2 and w.shape[1] == k and w.shape[0] <= scale_rows):
-                return words, scale, offset, bits
+            codes, scale = codes_of(_source(codes)), _source(scale)
+            if codes is not None and _stored(scale, torch.float32):
+                return codes, scale, offset, product
+    return None
+
+
+def packed_weight(weight: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, int] | None:
+    """(words, scale, offset, bits) when `weight` is exactly the packed
+    weight's dequantization, codes * scale + offset per group; else None."""
+    found = dequantized(weight, _codes)
+    if found is None:
+        return None
+    (words, bits), scale, offset, product = found
+    (r, k), (scale_rows, groups) = _val(words).shape, _val(scale).shape
+    w = _val(weight)
+    if (scale_rows == lanes_of(bits) * r and tuple(_val(offset).shape) == (scale_rows, groups)
+            and k % (8 * groups) == 0 and tuple(_val(product).shape[-2:]) == (groups, k // groups)
+            and w.dtype == torch.float32 and w.dim() == 2 and w.shape[1] == k and w.shape[0] <= scale_rows):
+        return words, scale, offset, bits
     return None
 
 

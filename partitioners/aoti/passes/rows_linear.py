@@ -45,12 +45,14 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 ROWS_LINEAR = torch.ops.kvexport.rows_linear.default
 
 
-def emit_rows_product(graph: torch.fx.Graph, node: torch.fx.Node, target, *operands) -> torch.fx.Node:
+def emit_rows_product(graph: torch.fx.Graph, node: torch.fx.Node, target, *operands,
+                      x: torch.fx.Node | None = None) -> torch.fx.Node:
     """What replaces linear `node` by a kernel `target(x rows, *operands)`
-    that returns [rows, out_features]: x's leading dims flattened into
-    contiguous rows, the bias added, the leading dims restored."""
+    that returns [rows, out_features]: x (the linear's input unless given,
+    of the same shape) flattened into contiguous rows, the bias added, the
+    leading dims restored."""
     given = arguments(node)
-    x, bias = given["input"], given.get("bias")
+    x, bias = x if x is not None else given["input"], given.get("bias")
     lead, width = list(x.meta["val"].shape[:-1]), x.meta["val"].shape[-1]
     out_features = node.meta["val"].shape[-1]
 

@@ -1,0 +1,213 @@
+// Products of a few fp32 rows by a weight of 4- or 8-bit codes in blocks
+// (passes/packed_weights.py: codes along K, a float scale and offset per group)
+// with int8 activations (--qact int8), for AOTInductor packages on x86 CPUs
+// (build.py builds it; compiled methods call it through its shim in shims.cpp):
+//
+//   out[m, n] = sum_k xq[m, k] * (scale[n, g(k)] * code[n, k] + offset[n, g(k)])
+//
+// where xq is x rounded per row in blocks of 32 to int8 codes q times a step
+// (step = the block's largest magnitude / 127, q = round(x / step)): exactly
+// passes/packed_weights.py's int8_rows, so a package's eager reference
+// computes the same codes. Each block's product is an integer dot product,
+// 32 code pairs summed exactly in int32 (maddubs then madd on AVX2), then
+// scaled once by the block's step times the group's scale; the offsets
+// multiply each row's sum of xq over a group, computed once a call.
+//
+// 4-bit codes are unpacked in registers (a mask and a shift of 16 bytes make
+// the block's 32 unsigned bytes). 8-bit codes are unsigned too: a flipped top
+// bit makes them code - 128 (signed), whose magnitude and sign feed maddubs
+// (unsigned by signed bytes; 255 * 127 twice would saturate its int16 sums),
+// and 128 * scale joins the group's offset. A register tile of MR rows by LT
+// weight rows unpacks each block once for the MR rows. A thread walks its own
+// band of weight rows.
+
+#include <omp.h>
+
+#include <vector>
+
+#include "kernels.h"
+#include "vec.h"
+
+using namespace kv;
+
+namespace {
+
+constexpr int BLOCK = 32;
+constexpr int MR_MAX = REGISTERS == 32 ? 8 : 4;
+constexpr int LT = 4;  // weight rows per tile for one or two rows; half as many for more
+constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead weight rows are fetched into L2
+// the same fp32 constants as int8_rows' (a double rounded to float, as torch rounds a Python scalar)
+const float INV_127 = (float)(1.0 / 127.0);
+const float SMALLEST_TOP = (float)1e-30;
+
+typedef __m256i ivec;
+
+// x's rows as int8 codes [M, K], each block's step [M, K / 32] and each row's
+// sum of xq over each group [M, groups]
+struct Rows {
+  std::vector<int8_t> codes;
+  std::vector<float> steps, sums;
+};
+
+Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups) {
+  const int64_t blocks = K / BLOCK, per_group = blocks / groups;
+  Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * groups, 0.0f)};
+  const vec sign = broadcast(-0.0f);
+  const ivec order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t b = 0; b < blocks; b++) {
+      const float* p = x + m * ldx + b * BLOCK;
+      const vec v[4] = {load(p), load(p + 8), load(p + 16), load(p + 24)};
+      vec top = max(max(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                    max(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+      __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+      half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+      const float largest = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+      const float step = (largest > SMALLEST_TOP ? largest : SMALLEST_TOP) * INV_127;
+      const vec s = broadcast(step);
+      ivec q[4];
+      for (int i = 0; i < 4; i++)
+        q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(v[i], s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      // the sum of the block's codes, exact in int32
+      const ivec pairs = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+      const ivec bytes = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+      _mm256_storeu_si256((ivec*)(r.codes.data() + m * K + b * BLOCK), bytes);
+      r.steps[m * blocks + b] = step;
+      r.sums[m * groups + b / per_group] += step * (float)_mm_cvtsi128_si32(t);
+    }
+  return r;
+}
+
+// a block's 32 codes of weight row `row` as bytes in K order: unsigned for 4
+// bits; code - 128 for 8 bits
+template <int BITS>
+inline ivec codes_of(const uint8_t* row, int64_t b) {
+  if constexpr (BITS == 4) {
+    // the 16 bytes in both halves (a load), the upper half shifted down a nibble, both masked
+    const ivec both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(row + b * (BLOCK / 2))));
+    return _mm256_and_si256(_mm256_blend_epi32(both, _mm256_srli_epi16(both, 4), 0xf0), _mm256_set1_epi8(15));
+  } else {
+    return _mm256_xor_si256(_mm256_loadu_si256((const ivec*)(row + b * BLOCK)), _mm256_set1_epi8((char)0x80));
+  }
+}
+
+// the 32 products of a block summed in 8 int32 lanes
+template <int BITS>
+inline vec dot(ivec w, ivec q) {
+  const ivec ones = _mm256_set1_epi16(1);
+  ivec pairs;
+  if constexpr (BITS == 4)
+    pairs = _mm256_maddubs_epi16(w, q);  // unsigned codes by signed codes: at most 2 * 15 * 127 a pair
+  else
+    pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w));  // |w| <= 128, |q| <= 127
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+}
+
+// rows m0..m0+MR by weight rows n0..n0+L (L <= LT)
+template <int BITS, int MR, int L>
+inline void tile(const Rows& rows, const uint8_t* data, const float* scale, const float* offset, int64_t m0,
+                 int64_t n0, int64_t K, int64_t groups, float* out, int64_t N) {
+  const int64_t blocks = K / BLOCK, per_group = blocks / groups, row_bytes = K * BITS / 8;
+  const int8_t* codes = rows.codes.data() + m0 * K;
+  const float* steps = rows.steps.data() + m0 * blocks;
+  const uint8_t* weights = data + n0 * row_bytes;
+  const float* scales = scale + n0 * groups;
+  vec acc[MR][L], s[L];
+  clear(acc);
+  int64_t g = 0, left = per_group;
+#pragma GCC unroll 8
+  for (int j = 0; j < L; j++) s[j] = broadcast(scales[j * groups]);
+  for (int64_t b = 0; b < blocks; b++) {
+    ivec w[L];
+#pragma GCC unroll 8
+    for (int j = 0; j < L; j++) {
+      w[j] = codes_of<BITS>(weights + j * row_bytes, b);
+      prefetch_l2(weights + (j + PREFETCH_ROWS) * row_bytes + b * (BLOCK * BITS / 8));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) {
+      const ivec q = _mm256_loadu_si256((const ivec*)(codes + i * K + b * BLOCK));
+      const vec step = broadcast(steps[i * blocks + b]);
+#pragma GCC unroll 8
+      for (int j = 0; j < L; j++) acc[i][j] = fma(dot<BITS>(w[j], q), mul(step, s[j]), acc[i][j]);
+    }
+    if (--left == 0 && ++g < groups) {  // the next group's scales
+      left = per_group;
+#pragma GCC unroll 8
+      for (int j = 0; j < L; j++) s[j] = broadcast(scales[j * groups + g]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < L; j++) {
+    const int64_t n = n0 + j;
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) {
+      const float* sums = rows.sums.data() + (m0 + i) * groups;
+      float shift = 0.0f;
+      for (int64_t g = 0; g < groups; g++) {
+        const float o = BITS == 8 ? offset[n * groups + g] + 128.0f * scale[n * groups + g] : offset[n * groups + g];
+        shift += o * sums[g];
+      }
+      out[(m0 + i) * N + n] = total(acc[i][j]) + shift;
+    }
+  }
+}
+
+template <int BITS, int MR, int L>
+void rows_of(int rows, const Rows& r, const uint8_t* data, const float* scale, const float* offset, int64_t m0,
+             int64_t n0, int64_t K, int64_t groups, float* out, int64_t N) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return rows_of<BITS, MR - 1, L>(rows, r, data, scale, offset, m0, n0, K, groups, out, N);
+  }
+  tile<BITS, MR, L>(r, data, scale, offset, m0, n0, K, groups, out, N);
+}
+
+// weight rows n0..n0+L by every row
+template <int BITS, int L>
+void columns(const Rows& r, const uint8_t* data, const float* scale, const float* offset, int64_t M, int64_t n0,
+             int64_t K, int64_t groups, float* out, int64_t N) {
+  for (int64_t m = 0; m < M; m += MR_MAX) {
+    const int count = (int)(M - m < MR_MAX ? M - m : MR_MAX);
+    rows_of<BITS, MR_MAX, L>(count, r, data, scale, offset, m, n0, K, groups, out, N);
+  }
+}
+
+template <int BITS>
+void product(const float* x, int64_t ldx, const uint8_t* data, const float* scale, const float* offset, float* out,
+             int64_t M, int64_t N, int64_t K, int64_t groups) {
+  const Rows rows = quantize(x, ldx, M, K, groups);
+  const int64_t bands = (N + LT - 1) / LT;
+#pragma omp parallel
+  {
+    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t first = bands * me / threads, last = bands * (me + 1) / threads;
+    for (int64_t t = first; t < last; t++) {
+      const int64_t n0 = t * LT;
+      if (n0 + LT > N) {  // the last few weight rows, one at a time
+        for (int64_t n = n0; n < N; n++) columns<BITS, 1>(rows, data, scale, offset, M, n, K, groups, out, N);
+      } else if (M <= 2) {  // one or two rows: all LT weight rows at once, for more independent sums
+        rows_of<BITS, 2, LT>((int)M, rows, data, scale, offset, 0, n0, K, groups, out, N);
+      } else {
+        for (int64_t n = n0; n < n0 + LT; n += LT / 2)
+          columns<BITS, LT / 2>(rows, data, scale, offset, M, n, K, groups, out, N);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// x: [M, K] fp32 (row stride ldx), K a multiple of 32; data: uint8 codes in
+// blocks, [N, K * bits / 8] contiguous; scale, offset: fp32 [N, groups]
+// contiguous, K / groups a multiple of 32; out: [M, N] contiguous
+void kvexport_int8_linear(const float* x, int64_t ldx, const uint8_t* data, const float* scale, const float* offset,
+                          float* out, int64_t M, int64_t N, int64_t K, int64_t groups, int64_t bits) {
+  if (bits == 4)
+    product<4>(x, ldx, data, scale, offset, out, M, N, K, groups);
+  else
+    product<8>(x, ldx, data, scale, offset, out, M, N, K, groups);
+}

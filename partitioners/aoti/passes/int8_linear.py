@@ -1,0 +1,131 @@
+"""Int8LinearPass: products with int8 activations (--qact int8) over a few
+static rows call kvexport's int8 kernel (kernels/int8_linear.cpp) in
+AOTInductor's compiled code.
+
+The stored program holds such a product as plain ATen: the rows rounded to
+int8 codes times a step per block of 32 (passes/packed_weights.py,
+int8_rows), the weight's codes in blocks dequantized, and a linear. This
+pass, run only where a method is compiled, recognizes exactly that
+arithmetic and replaces it with one kernel call, which rounds the rows the
+same way and multiplies the codes as integers. Anything that does not match
+the decomposition exactly is left as it is. The eager implementation of the
+op is the decomposition itself.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from kvexport.partitioners.aoti.passes.packed_linear import _source, _stored, _val, dequantized
+from kvexport.partitioners.aoti.passes.rows_linear import emit_rows_product
+from kvexport.passes.base import RewritePass, arguments, static_rows
+from kvexport.passes.packed_weights import BLOCK, INV_127, SMALLEST_TOP, _dequantize_blocks, _int8_rows
+
+aten = torch.ops.aten
+
+
+@torch.library.custom_op("kvexport::int8_linear", mutates_args=())
+def int8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) -> torch.Tensor:
+    """x [M, K] (rows contiguous), rounded to int8 per block of 32, times the
+    weight of codes in blocks, transposed: [M, N]."""
+    return torch.nn.functional.linear(_int8_rows(x), _dequantize_blocks(data, scale, offset, bits, x.dtype))
+
+
+@int8_linear.register_fake
+def _(x, data, scale, offset, bits):
+    return x.new_empty(x.shape[0], data.shape[0])
+
+
+INT8_LINEAR = torch.ops.kvexport.int8_linear.default
+
+
+def _call(node: object, target, arity: int) -> bool:
+    return isinstance(node, torch.fx.Node) and node.target is target and len(node.args) == arity
+
+
+def int8_rows_of(node: object) -> torch.fx.Node | None:
+    """x when `node` is exactly int8_rows(x) of a 2-d fp32 x: its blocks of
+    32, their step (the larger of max and minus min, at least SMALLEST_TOP,
+    times INV_127), round(blocks / step) * step; else None."""
+    result = _source(node)
+    if not _call(result, aten.mul.Tensor, 2):
+        return None
+    rounded, step = result.args
+    if not (_call(rounded, aten.round.default, 1) and _call(rounded.args[0], aten.div.Tensor, 2)):
+        return None
+    blocks, divisor = rounded.args[0].args
+    if divisor is not step or not (_call(step, aten.mul.Tensor, 2) and step.args[1] == INV_127):
+        return None
+    clamp = step.args[0]
+    if not (_call(clamp, aten.clamp.default, 2) and clamp.args[1] == SMALLEST_TOP):
+        return None
+    top = clamp.args[0]
+    if not (_call(top, aten.maximum.default, 2) and _call(top.args[1], aten.neg.default, 1)):
+        return None
+    largest, smallest = top.args[0], top.args[1].args[0]
+    if not (_call(largest, aten.amax.default, 3) and _call(smallest, aten.amin.default, 3)
+            and largest.args[0] is blocks and smallest.args[0] is blocks
+            and tuple(largest.args[1:]) == tuple(smallest.args[1:]) == ([-1], True)):
+        return None
+    if not (isinstance(blocks, torch.fx.Node) and blocks.target in (aten.view.default, aten.reshape.default)):
+        return None
+    shape, x = _val(blocks).shape, blocks.args[0]
+    xv = _val(x)
+    if not (isinstance(xv, torch.Tensor) and xv.dtype == torch.float32 and shape[-1] == BLOCK
+            and tuple(xv.shape[:-1]) == tuple(shape[:-2]) and xv.shape[-1] == shape[-2] * BLOCK):
+        return None
+    return x
+
+
+def _block_codes(node: object) -> tuple[torch.fx.Node, int] | None:
+    """(data, bits) when `node` holds the codes of a blocks-format weight:
+    the uint8 data itself (8 bits), or its low and high nibbles per block
+    concatenated along the block (4 bits)."""
+    if _stored(node, torch.uint8):
+        return node, 8
+    if not (_call(node, aten.cat.default, 2) and node.args[1] in (-1, 2) and len(node.args[0]) == 2):
+        return None
+    low, high = node.args[0]
+    if not (_call(low, aten.bitwise_and.Scalar, 2) and low.args[1] == 15
+            and _call(high, aten.bitwise_right_shift.Tensor_Scalar, 2) and high.args[1] == 4):
+        return None
+    pairs = low.args[0]
+    data = _source(pairs)
+    if high.args[0] is not pairs or not _stored(data, torch.uint8) or tuple(_val(pairs).shape[-1:]) != (BLOCK // 2,):
+        return None
+    return data, 4
+
+
+def int8_product(linear: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, torch.fx.Node, int] | None:
+    """(x, data, scale, offset, bits) when `linear` multiplies int8_rows(x)
+    by a blocks-format weight's dequantization; else None."""
+    given = arguments(linear)
+    x = int8_rows_of(given["input"])
+    found = dequantized(given["weight"], _block_codes)
+    if x is None or found is None:
+        return None
+    (data, bits), scale, offset, product = found
+    (n, width), (scale_rows, groups), k = _val(data).shape, _val(scale).shape, _val(x).shape[-1]
+    w = _val(given["weight"])
+    if (width * 8 == k * bits and scale_rows == n and tuple(_val(offset).shape) == (n, groups)
+            and k % (BLOCK * groups) == 0 and tuple(_val(product).shape[-2:]) == (groups, k // groups)
+            and w.dtype == torch.float32 and tuple(w.shape) == (n, k)):
+        return x, data, scale, offset, bits
+    return None
+
+
+class Int8LinearPass(RewritePass):
+    name = "int8_linear"
+    leftover = "int8 products with the kernel's row counts left"
+
+    def __init__(self, rows: tuple[int, ...]):
+        self.rows = frozenset(rows)
+
+    def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+        return [n for n in graph_module.graph.nodes
+                if n.target is aten.linear.default and static_rows(n.args[0]) in self.rows and int8_product(n) is not None]
+
+    def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+        x, data, scale, offset, bits = int8_product(node)
+        return emit_rows_product(graph, node, INT8_LINEAR, data, scale, offset, bits, x=x)

@@ -1,0 +1,165 @@
+"""Products with int8 activations (--qact int8): the blocks format, the
+definition of the rounded rows (passes/packed_weights.py), the quantizer's
+choice per linear, and the aoti compile pass that gives them to the int8
+kernel (partitioners/aoti/passes/int8_linear.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helpers import export_tiny
+from kvexport.contract.errors import SpecError
+from kvexport.contract.op_allowlist import ALLOWED_OPS
+from kvexport.exporter.quantization.quantize import Int8Linear, PackedLinear, quantize_model, quantize_weight
+from kvexport.partitioners.aoti.passes.int8_linear import INT8_LINEAR, Int8LinearPass, int8_product
+from kvexport.passes.base import run_passes
+from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
+from kvexport.passes.packed_weights import INV_127, _dequantize_blocks, int8_rows, pack_blocks, unpack_blocks
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_blocks_round_trip_and_four_bits_take_half_the_bytes(bits):
+    codes = torch.randint(0, 1 << bits, (5, 96), dtype=torch.uint8)
+    data = pack_blocks(codes, bits)
+    assert data.dtype == torch.uint8 and data.shape == (5, 96 * bits // 8)
+    assert torch.equal(unpack_blocks(data, bits), codes)
+    if bits == 4:  # byte i of a block: value i low, value 16 + i high
+        assert int(data[0, 0]) == int(codes[0, 0]) | int(codes[0, 16]) << 4
+
+
+def test_int8_rows_round_each_block_to_127_steps_of_its_largest_magnitude():
+    torch.manual_seed(0)
+    x = torch.randn(3, 96) * torch.tensor([1.0, 1e3, 1e-3]).repeat_interleave(32)
+    x[1, :32] = 0.0
+    got = int8_rows(x).reshape(3, 3, 32)
+    blocks = x.reshape(3, 3, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    step = top * torch.tensor(INV_127, dtype=torch.float32)
+    codes = got / torch.where(step > 0, step, 1.0)
+    assert (codes - codes.round()).abs().max() < 1e-4 and codes.round().abs().max() == 127
+    assert ((got - blocks).abs() <= step / 2 * (1 + 1e-6)).all()  # half a step at most
+    torch.testing.assert_close(got.abs().amax(-1, keepdim=True), top, rtol=1e-6, atol=0)  # the largest: 127 steps
+    assert torch.equal(got[1, 0], torch.zeros(32))  # an all-zero block stays zero
+
+
+def test_the_stored_rounding_calls_only_allowlisted_operators():
+    module = Int8Linear(pack_blocks(torch.zeros(8, 64, dtype=torch.uint8), 4), torch.ones(8, 2), torch.zeros(8, 2), 4)
+    program = torch.export.export(module, (torch.randn(2, 64),))
+    run_passes(program.graph_module, [DecomposeCustomOpsPass()], "m")
+    called = {f"torch.ops.{n.target}" for n in program.graph.nodes if n.op == "call_function"}
+    assert "torch.ops.aten.round.default" in called and called <= set(ALLOWED_OPS), called - set(ALLOWED_OPS)
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(40, 64)
+        self.up = nn.Linear(64, 96, bias=True)
+        self.odd = nn.Linear(96, 64, bias=False)
+        self.head = nn.Linear(64, 40, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(self.odd(torch.relu(self.up(self.embed(tokens)))))
+
+
+def test_qact_int8_rounds_the_activations_of_the_linears_that_can_take_it():
+    torch.manual_seed(0)
+    model = Model().eval()
+    up_weight, up_bias = model.up.weight.detach().clone(), model.up.bias.detach().clone()
+    rows = {r["module"]: r for r in quantize_model(model, "4w", 0, "8w", qact="int8")}
+    assert isinstance(model.up, Int8Linear) and isinstance(model.odd, Int8Linear)
+    assert isinstance(model.head, PackedLinear)  # it shares the embedding's codes, stored for lookups
+    assert rows["up"]["activations"] == "int8" and rows["head"]["activations"].startswith("float (shares the codes")
+    x = torch.randn(3, 64)
+    want = F.linear(int8_rows(x), quantize_weight(up_weight, 4, 32).dequantize(), up_bias)
+    torch.testing.assert_close(model.up(x), want, rtol=1e-6, atol=1e-6)
+    grouped = Model().eval()
+    rows = {r["module"]: r for r in quantize_model(grouped, "8w", 16, "", qact="int8")}
+    assert rows["up"]["activations"] == "float (its groups of 16 are not whole blocks of 32)"
+    assert isinstance(grouped.up, PackedLinear)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (dict(qact="int8"), "--qact int8 rounds the activations of linears with packed codes"),
+    (dict(qlinear="8da4w", qact="int8"), "8da4w rounds its own"),
+    (dict(qlinear="4w", qact="int4"), "--qact must be one of none, int8"),
+])
+def test_qact_without_packed_linears_is_refused(tmp_path, flags, message):
+    with pytest.raises(SpecError, match=re.escape(message)):
+        export_tiny("tiny-llama", tmp_path / "pkg", **flags)
+
+
+def program_of(bits: int, rows: int, bias: bool = True) -> tuple[torch.export.ExportedProgram, nn.Module, torch.Tensor]:
+    torch.manual_seed(bits + rows)
+    codes = torch.randint(0, 1 << bits, (24, 64), dtype=torch.uint8)
+    module = Int8Linear(pack_blocks(codes, bits), torch.rand(24, 2), torch.randn(24, 2), bits,
+                        torch.randn(24) if bias else None).eval()
+    x = torch.randn(1, rows, 64)
+    program = torch.export.export(module, (x,))
+    run_passes(program.graph_module, [DecomposeCustomOpsPass()], "m")
+    return program, module, x
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_compile_pass_finds_the_stored_arithmetic_and_keeps_its_results(bits, rows):
+    program, module, x = program_of(bits, rows, bias=rows == 1)
+    run_passes(program.graph_module, [Int8LinearPass((1, 5))], "m")
+    program.graph.eliminate_dead_code()
+    called = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert called.count(INT8_LINEAR) == 1 and torch.ops.aten.linear.default not in called
+    assert torch.ops.aten.round.default not in called  # the rows' rounding is the kernel's
+    torch.testing.assert_close(program.module()(x), module(x), rtol=1e-6, atol=1e-6)
+
+
+def test_the_compile_pass_leaves_other_row_counts_and_other_arithmetic():
+    program, _, _ = program_of(4, 3)
+    run_passes(program.graph_module, [Int8LinearPass((1, 2))], "m")
+    assert INT8_LINEAR not in [n.target for n in program.graph.nodes]
+    program, _, _ = program_of(4, 1)
+    step = next(n for n in program.graph.nodes if n.target is torch.ops.aten.mul.Tensor and n.args[1] == INV_127)
+    step.args = (step.args[0], 1 / 100)  # a different rounding is not the kernel's
+    linear = next(n for n in program.graph.nodes if n.target is torch.ops.aten.linear.default)
+    assert int8_product(linear) is None
+
+
+def test_blocks_dequantize_as_scale_times_code_plus_offset():
+    codes = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
+    scale, offset = torch.rand(3, 2), torch.randn(3, 2)
+    want = codes.float().reshape(3, 2, 32) * scale[..., None] + offset[..., None]
+    assert torch.equal(_dequantize_blocks(pack_blocks(codes, 4), scale, offset, 4, torch.float32), want.reshape(3, 64))
+
+
+@pytest.mark.compile
+def test_an_int8_package_runs_its_static_products_on_the_int8_kernel(tiny_package):
+    """An aoti 4w package takes int8 activations by default where the
+    kernels exist, and verifies (its tokens alone and
+    batched are its eager reference's); every layer linear of a static
+    method calls the int8 kernel, the LM head (the 8w embedding's codes) the
+    packed one, and the stored program stays plain aten."""
+    import gzip
+
+    from helpers import PROGRESS
+    from kvexport.partitioners.aoti.kernels import build
+
+    if not build.supported():
+        pytest.skip("kvexport's kernels need x86 with AVX2 or AVX-512")
+    path = tiny_package("tiny-llama", "aoti", qlinear="4w", qembedding="8w")  # int8 by default (test_quantization's)
+    manifest = json.loads((path / "manifest.json").read_text())
+    coverage = manifest["quantization"]["coverage"]
+    int8 = sum(1 for r in coverage if r.get("activations") == "int8")
+    assert int8 == sum(1 for r in coverage if r["kind"] == "linear") - 1  # all but the tied head
+    progress = "\n".join(PROGRESS[str(path)])
+    for name, entry in manifest["methods"].items():
+        if name.startswith("forward_"):
+            assert b"int8_linear" not in gzip.decompress((path / entry["program"]).read_bytes())
+        if name.startswith("forward_") and name != "forward_others":
+            assert re.search(rf"{name} compiled in [0-9.]+ s, calling kvexport's int8_linear x{int8}, .*packed_linear x1\b",
+                             progress), progress
