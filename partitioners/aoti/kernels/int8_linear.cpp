@@ -35,7 +35,7 @@ namespace {
 constexpr int BLOCK = 32;
 constexpr int MR_MAX = REGISTERS == 32 ? 8 : 4;
 constexpr int LT = 4;  // weight rows per tile for one or two rows; half as many for more
-constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead weight rows are fetched into L2
+constexpr int64_t PREFETCH_ROWS = 4;  // how far ahead weight rows are fetched into L2
 // the same fp32 constants as int8_rows' (a double rounded to float, as torch rounds a Python scalar)
 const float INV_127 = (float)(1.0 / 127.0);
 const float SMALLEST_TOP = (float)1e-30;
