@@ -1,9 +1,12 @@
-"""kvexport's packed kernel (partitioners/aoti/kernels/packed_linear.cpp) on
-the linears of one decode step of a model, at 1 to 16 rows, in one run:
+"""kvexport's packed and int8 kernels (partitioners/aoti/kernels/packed_linear.cpp,
+int8_linear.cpp) on the linears of one decode step of a model, at 1 to 16
+rows, in one run:
 
 - per row count, the time of every linear of a step once (each weight read
   from memory: the set is larger than the caches) and what that is per token,
-  for 4- and 8-bit codes (per group of 32, and 8-bit per row as 8w stores it);
+  for 4- and 8-bit codes (per group of 32, and 8-bit per row as 8w stores it),
+  weight-only (packed) and with int8 activations (codes in blocks, as
+  --qact int8 stores them);
 - the same products on the row kernel with the fp32 weights, and the BLAS;
 - the streaming-read rate (bench/floor.py's `sum`), and each form's bytes
   over it: the floor a step cannot beat.
@@ -24,7 +27,7 @@ import torch.nn.functional as F
 from common import cpu_model, emit
 from floor import read_rate
 from kvexport.partitioners.aoti.kernels import build
-from kvexport.passes.packed_weights import pack, pad_rows
+from kvexport.passes.packed_weights import pack, pack_blocks, pad_rows
 
 # (out, in) of one layer's linears, layers, and the LM head
 SHAPES = {
@@ -38,6 +41,13 @@ def packed(out_features: int, width: int, bits: int, group: int, g: torch.Genera
     groups = width // group
     scale, offset = torch.rand(out_features, groups, generator=g), torch.randn(out_features, groups, generator=g)
     return pack(codes, bits), pad_rows(scale, bits), pad_rows(offset, bits), bits, out_features
+
+
+def blocks(out_features: int, width: int, bits: int, group: int, g: torch.Generator):
+    codes = torch.randint(0, 1 << bits, (out_features, width), generator=g, dtype=torch.uint8)
+    groups = width // group
+    scale, offset = torch.rand(out_features, groups, generator=g), torch.randn(out_features, groups, generator=g)
+    return pack_blocks(codes, bits), scale, offset, bits
 
 
 def step_seconds(products, repeats: int) -> float:
@@ -64,6 +74,8 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     forms = {"4-bit, groups of 32": (4, 32), "8-bit, groups of 32": (8, 32), "8-bit, per row": (8, 0)}
     weights = {name: [packed(n, k, bits, group or k, g) for n, k in shapes] for name, (bits, group) in forms.items()}
+    int8_forms = {"4-bit, groups of 32, int8 activations": (4, 32), "8-bit, per row, int8 activations": (8, 0)}
+    int8_weights = {name: [blocks(n, k, bits, group or k, g) for n, k in shapes] for name, (bits, group) in int8_forms.items()}
     fp32 = [torch.randn(n, k, generator=g) for n, k in shapes]
     values = sum(n * k for n, k in shapes)
     read = read_rate()
@@ -76,6 +88,12 @@ def main() -> None:
             products = [lambda w=w: build.packed_linear(xs[w[0].shape[1]], *w) for w in ws]
             seconds = step_seconds(products, args.repeats)
             nbytes = sum(w[0].numel() * 4 + w[1].numel() * 8 for w in ws)
+            row[name] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),
+                         "floor_ms": round(nbytes / (read["best_gbps"] * 1e9) * 1e3, 2)}
+        for name, ws in int8_weights.items():
+            widths = [w[0].shape[1] * 8 // w[3] for w in ws]  # a row of data holds width * bits / 8 bytes
+            seconds = step_seconds([lambda w=w, k=k: build.int8_linear(xs[k], *w) for w, k in zip(ws, widths)], args.repeats)
+            nbytes = sum(w[0].numel() + w[1].numel() * 8 for w in ws)
             row[name] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),
                          "floor_ms": round(nbytes / (read["best_gbps"] * 1e9) * 1e3, 2)}
         for name, fn in (("fp32, row kernel", lambda x, w: build.rows_linear(x, w)), ("fp32, BLAS", F.linear)):

@@ -138,28 +138,37 @@ def test_blocks_dequantize_as_scale_times_code_plus_offset():
 
 
 @pytest.mark.compile
-def test_an_int8_package_runs_its_static_products_on_the_int8_kernel(tiny_package):
+def test_an_int8_package_runs_its_static_products_on_the_kernels(tiny_package):
     """An aoti 4w package takes int8 activations by default where the
-    kernels exist, and verifies (its tokens alone and
-    batched are its eager reference's); every layer linear of a static
-    method calls the int8 kernel, the LM head (the 8w embedding's codes) the
-    packed one, and the stored program stays plain aten."""
+    kernels exist, and verifies (its tokens alone and batched are its eager
+    reference's). Each static method calls the int8 kernel once per layer
+    linear and the packed kernel once, for the LM head (the 8w embedding's
+    codes, weight-only), and links both; forward_others (prefill) calls
+    neither; the stored programs stay plain aten."""
     import gzip
+    import zipfile
 
     from helpers import PROGRESS
     from kvexport.partitioners.aoti.kernels import build
 
     if not build.supported():
         pytest.skip("kvexport's kernels need x86 with AVX2 or AVX-512")
-    path = tiny_package("tiny-llama", "aoti", qlinear="4w", qembedding="8w")  # int8 by default (test_quantization's)
+    path = tiny_package("tiny-llama", "aoti", qlinear="4w", qembedding="8w")  # test_quantization's too
     manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["backend"]["target"]["packed_kernel_rows"] == list(range(1, 17))
     coverage = manifest["quantization"]["coverage"]
     int8 = sum(1 for r in coverage if r.get("activations") == "int8")
     assert int8 == sum(1 for r in coverage if r["kind"] == "linear") - 1  # all but the tied head
     progress = "\n".join(PROGRESS[str(path)])
     for name, entry in manifest["methods"].items():
-        if name.startswith("forward_"):
-            assert b"int8_linear" not in gzip.decompress((path / entry["program"]).read_bytes())
-        if name.startswith("forward_") and name != "forward_others":
+        if not name.startswith("forward_"):
+            continue
+        program = gzip.decompress((path / entry["program"]).read_bytes())
+        assert b"int8_linear" not in program and b"packed_linear" not in program
+        with zipfile.ZipFile(path / entry["compiled"]) as archive:
+            library = b"".join(archive.read(n) for n in archive.namelist() if n.endswith(".so"))
+        static = name != "forward_others"
+        assert (b"kvexport_int8_linear" in library) == (b"kvexport_packed_linear" in library) == static, name
+        if static:  # one kernel call per linear, none left to inductor's own code, as the export says
             assert re.search(rf"{name} compiled in [0-9.]+ s, calling kvexport's int8_linear x{int8}, .*packed_linear x1\b",
                              progress), progress

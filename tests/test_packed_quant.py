@@ -191,3 +191,29 @@ def test_compiled_products_load_whole_vectors_of_words(isa):
     width = 8 if report["isa"].startswith("avx2") else 16
     assert words and all(int(line.split(": ")[1]) % width == 0 for line in words), report
     assert not report["byte_loads"], report
+
+
+@pytest.mark.parametrize("bits,group,out", [(4, 32, 24), (8, 0, 13)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_compile_pass_finds_the_stored_dequantization_and_keeps_its_results(bits, group, out, rows):
+    """What the aoti compile does with a weight-only product (--qact none,
+    or an LM head sharing the embedding's codes): the stored arithmetic
+    (lanes shifted and masked, times the scale plus the offset, a linear)
+    becomes one packed_linear call over the rows the kernel takes."""
+    from kvexport.partitioners.aoti.passes.packed_linear import PACKED_LINEAR, PackedLinearPass
+
+    torch.manual_seed(bits + rows)
+    weight, bias = torch.randn(out, 64), torch.randn(out)
+    words, scale, offset, lane_bits = packed(quantize_weight(weight, bits, group))
+    module = Rows(PackedLinear(words, scale, offset, lane_bits, out, bias)).eval()
+    x = torch.randn(rows, 64)
+    program = torch.export.export(module, (x,))
+    run_passes(program.graph_module, [DecomposeCustomOpsPass(), PackedLinearPass((1, 5))], "m")
+    program.graph.eliminate_dead_code()
+    called = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert called.count(PACKED_LINEAR) == 1 and torch.ops.aten.linear.default not in called
+    assert torch.ops.aten.bitwise_right_shift.Tensor_Scalar not in called  # the unpacking is the kernel's
+    torch.testing.assert_close(program.module()(x), module(x), rtol=1e-5, atol=1e-5)
+    untouched = torch.export.export(module, (torch.randn(3, 64),))
+    run_passes(untouched.graph_module, [DecomposeCustomOpsPass(), PackedLinearPass((1, 5))], "m")
+    assert PACKED_LINEAR not in [n.target for n in untouched.graph.nodes]  # 3 rows: not the kernel's

@@ -6,7 +6,6 @@ without torchao or pickle."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 
@@ -165,39 +164,3 @@ def test_bad_quantization_flags(tmp_path, flags, message):
         export_tiny("tiny-llama", tmp_path / "pkg", **flags)
 
 
-@pytest.mark.compile
-def test_packed_and_unpacked_four_bits_give_the_same_tokens_on_aoti(quantized, tmp_path):
-    from test_packed_quant import test_packed_and_unpacked_four_bits_give_the_same_tokens as same_tokens
-
-    same_tokens(tmp_path, package=quantized("tiny-llama", "4w", "aoti", qact="none"))
-
-
-@pytest.mark.compile
-def test_static_methods_multiply_packed_weights_on_the_packed_kernel(quantized):
-    """With --qact none, every product by a packed weight over a static row
-    count (the 4w linears and the LM head tied to the 8w embedding) is found in the stored
-    program and runs on kvexport's packed kernel in the compiled method; the
-    stored program stays plain aten."""
-    import gzip
-    import zipfile
-
-    from helpers import PROGRESS
-    from kvexport.partitioners.aoti.kernels import build
-
-    if not build.supported():
-        pytest.skip("kvexport's kernels need x86 with AVX2 or AVX-512")
-    path = quantized("tiny-llama", "4w", "aoti", qact="none")
-    manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["backend"]["target"]["packed_kernel_rows"] == list(range(1, 17))
-    linears = sum(1 for r in manifest["quantization"]["coverage"] if r["kind"] == "linear")
-    progress = "\n".join(PROGRESS[str(path)])
-    for name, entry in manifest["methods"].items():
-        if not name.startswith("forward_"):
-            continue
-        assert b"packed_linear" not in gzip.decompress((path / entry["program"]).read_bytes())
-        with zipfile.ZipFile(path / entry["compiled"]) as archive:
-            library = b"".join(archive.read(n) for n in archive.namelist() if n.endswith(".so"))
-        static = name != "forward_others"
-        assert (b"kvexport_packed_linear" in library) == static, name
-        if static:  # one kernel call per linear, none left to inductor's own code, as the export says
-            assert re.search(rf"{name} compiled in [0-9.]+ s, calling kvexport's .*packed_linear x{linears}\b", progress), progress
