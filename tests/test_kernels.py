@@ -171,13 +171,20 @@ def packed_operands(bits: int, rows: int, out_features: int, width: int, groups:
 
     g = torch.Generator().manual_seed(bits * 7919 + rows * 1000 + out_features + width + groups)
     x = torch.randn(rows, row_stride or width, generator=g)[:, :width]
+    codes, scale, offset, weight = random_weight(g, bits, out_features, width, groups)
+    return x, pack(codes, bits), pad_rows(scale, bits), pad_rows(offset, bits), weight
+
+
+def random_weight(g: torch.Generator, bits: int, out_features: int, width: int, groups: int):
+    """Random codes (every value, 0 and the top included), scales and
+    offsets, and the weight they make, in float64."""
     codes = torch.randint(0, 1 << bits, (out_features, width), generator=g, dtype=torch.uint8)
     codes[0, :2] = torch.tensor([0, (1 << bits) - 1], dtype=torch.uint8)
     scale, offset = torch.rand(out_features, groups, generator=g) + 0.01, torch.randn(out_features, groups, generator=g)
     size = width // groups
     weight = (codes.double().reshape(out_features, groups, size) * scale.double()[..., None]
               + offset.double()[..., None]).reshape(out_features, width)
-    return x, pack(codes, bits), pad_rows(scale, bits), pad_rows(offset, bits), weight
+    return codes, scale, offset, weight
 
 
 # row counts over and under a register tile, weight rows not a multiple of the
@@ -217,9 +224,9 @@ def test_the_packed_op_is_its_decomposition():
 
 # ----------------------------------------------------------- int8 linear
 def int8_operands(bits: int, rows: int, out_features: int, width: int, groups: int, row_stride: int = 0):
-    """x, and a weight of random codes in blocks (every code value, 0 and the
-    top included) with random scales and offsets; plus x rounded to int8 by
-    the definition (passes/packed_weights.py) and the weight, both float64."""
+    """x, and a weight of random codes in blocks with random scales and
+    offsets; plus x rounded to int8 by the definition
+    (passes/packed_weights.py) and the weight, both float64."""
     from kvexport.passes.packed_weights import _int8_rows, pack_blocks
 
     g = torch.Generator().manual_seed(bits * 7919 + rows * 1000 + out_features + width + groups + 1)
@@ -227,12 +234,7 @@ def int8_operands(bits: int, rows: int, out_features: int, width: int, groups: i
     x[0, :32] = 0.0  # an all-zero block
     if rows > 1:
         x[1, 32:64] *= 1e4  # a block far larger than the rest of its row
-    codes = torch.randint(0, 1 << bits, (out_features, width), generator=g, dtype=torch.uint8)
-    codes[0, :2] = torch.tensor([0, (1 << bits) - 1], dtype=torch.uint8)
-    scale, offset = torch.rand(out_features, groups, generator=g) + 0.01, torch.randn(out_features, groups, generator=g)
-    size = width // groups
-    weight = (codes.double().reshape(out_features, groups, size) * scale.double()[..., None]
-              + offset.double()[..., None]).reshape(out_features, width)
+    codes, scale, offset, weight = random_weight(g, bits, out_features, width, groups)
     return x, pack_blocks(codes, bits), scale, offset, _int8_rows(x).double(), weight
 
 
