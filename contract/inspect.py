@@ -157,6 +157,10 @@ def render(info: dict[str, Any]) -> str:
         done = sum(1 for r in rows if r.get("scheme"))
         lines.append(f"quantization: qlinear {quant.get('qlinear')}, group {quant.get('qlinear_group_size') or 'default'}, "
                      f"qembedding {quant.get('qembedding')}: {done} of {len(rows)} linears and embeddings quantized")
+        int8 = [r for r in rows if isinstance(r.get("activations"), str)]
+        if int8:
+            taking = sum(1 for r in int8 if r["activations"] == "int8")
+            lines.append(f"  int8 activations on {taking} of {len(int8)} quantized linears (--qact int8)")
         for r in rows:
             if not r.get("scheme"):
                 lines.append(f"  skipped {r.get('module')}: {r.get('skipped')}")

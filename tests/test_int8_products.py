@@ -11,9 +11,11 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from click.testing import CliRunner
 from torch import nn
 
 from helpers import export_tiny
+from kvexport.cli.main import main
 from kvexport.contract.errors import SpecError
 from kvexport.contract.op_allowlist import ALLOWED_OPS
 from kvexport.exporter.quantization.quantize import Int8Linear, PackedLinear, quantize_model, quantize_weight
@@ -159,6 +161,8 @@ def test_an_int8_package_runs_its_static_products_on_the_kernels(tiny_package):
     coverage = manifest["quantization"]["coverage"]
     int8 = sum(1 for r in coverage if r.get("activations") == "int8")
     assert int8 == sum(1 for r in coverage if r["kind"] == "linear") - 1  # all but the tied head
+    shown = CliRunner().invoke(main, ["inspect", str(path)]).stdout
+    assert f"int8 activations on {int8} of {int8 + 1} quantized linears" in shown
     progress = "\n".join(PROGRESS[str(path)])
     for name, entry in manifest["methods"].items():
         if not name.startswith("forward_"):
