@@ -176,3 +176,24 @@ def test_an_int8_package_runs_its_static_products_on_the_kernels(tiny_package):
         if static:  # one kernel call per linear, none left to inductor's own code, as the export says
             assert re.search(rf"{name} compiled in [0-9.]+ s, calling kvexport's int8_linear x{int8}, .*packed_linear x1\b",
                              progress), progress
+
+
+def test_a_portable_package_computes_the_eager_int8_arithmetic(tiny_package):
+    """--qact int8 on the portable backend (no kernel: the stored rounding
+    and dequantization run as plain ATen) gives the eagerly quantized
+    model's greedy tokens, alone and batched."""
+    from helpers import hf_greedy, prompt_of
+    from kvexport.exporter.sources.models import load_model
+    from kvexport.runtime import generate, load
+
+    package = tiny_package("tiny-llama", qlinear="4w", qembedding="8w", qact="int8")
+    coverage = json.loads((package / "manifest.json").read_text())["quantization"]["coverage"]
+    eager = load_model("tiny-llama").model
+    linears = sum(isinstance(m, nn.Linear) for m in eager.modules())
+    assert sum(1 for r in coverage if r.get("activations") == "int8") == linears - 1  # all but the tied head
+    quantize_model(eager, "4w", 0, "8w", qact="int8")
+    runtime = load(package)
+    prompts = [prompt_of(5, seed=1), prompt_of(30, seed=2)]
+    want = [hf_greedy(eager, p, 16) for p in prompts]
+    assert [generate(runtime, [p], 16)[0] for p in prompts] == want
+    assert generate(runtime, prompts, 16) == want
