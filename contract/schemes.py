@@ -43,8 +43,8 @@ SCHEMES = (
            "torchao", algorithms=False),
 )
 BY_NAME = {scheme.name: scheme for scheme in SCHEMES}
-ALGORITHMS = ("minmax", "hqq")
-QACT = ("none", "int8")  # --qact: a packed linear's activations kept float, or rounded to int8 per block of 32  # a group's scale and offset from its range, or from HQQ's search
+ALGORITHMS = ("minmax", "hqq")  # a group's scale and offset from its range, or from HQQ's search
+QACT = ("none", "int8")  # --qact: a packed linear's activations kept float, or rounded to int8 per block of 32
 QLINEAR = tuple(s.name for s in SCHEMES if s.linears)
 QEMBEDDING = tuple(s.name for s in SCHEMES if s.embeddings)
 
