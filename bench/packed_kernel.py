@@ -36,17 +36,22 @@ SHAPES = {
 }
 
 
-def packed(out_features: int, width: int, bits: int, group: int, g: torch.Generator):
+def random_codes(out_features: int, width: int, bits: int, group: int, g: torch.Generator):
+    """Random codes [out, width] with a random scale and offset per group."""
     codes = torch.randint(0, 1 << bits, (out_features, width), generator=g, dtype=torch.uint8)
     groups = width // group
-    scale, offset = torch.rand(out_features, groups, generator=g), torch.randn(out_features, groups, generator=g)
+    return codes, torch.rand(out_features, groups, generator=g), torch.randn(out_features, groups, generator=g)
+
+
+def packed(out_features: int, width: int, bits: int, group: int, g: torch.Generator):
+    """packed_linear's operands: codes in row lanes."""
+    codes, scale, offset = random_codes(out_features, width, bits, group, g)
     return pack(codes, bits), pad_rows(scale, bits), pad_rows(offset, bits), bits, out_features
 
 
 def blocks(out_features: int, width: int, bits: int, group: int, g: torch.Generator):
-    codes = torch.randint(0, 1 << bits, (out_features, width), generator=g, dtype=torch.uint8)
-    groups = width // group
-    scale, offset = torch.rand(out_features, groups, generator=g), torch.randn(out_features, groups, generator=g)
+    """int8_linear's operands: codes in blocks."""
+    codes, scale, offset = random_codes(out_features, width, bits, group, g)
     return pack_blocks(codes, bits), scale, offset, bits
 
 

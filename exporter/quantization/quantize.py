@@ -404,5 +404,5 @@ def coverage_summary(rows: list[dict[str, Any]]) -> list[str]:
         asked = [r for r in done if "activations" in r]
         if asked:
             lines.append(f"int8 activations on {sum(r['activations'] == 'int8' for r in asked)} of {len(asked)} quantized {kind}s")
-            lines += [f"  float activations on {r['module']}: {r['activations'][7:-1]}" for r in asked if r["activations"] != "int8"]
+            lines += [f"  {r['module']}: activations {r['activations']}" for r in asked if r["activations"] != "int8"]
     return lines

@@ -11,7 +11,7 @@ import torch
 import torch.fx
 
 from kvexport.partitioners.portable.partitioner import PortablePartitioner
-from kvexport.passes.base import Pass, static_rows
+from kvexport.passes.base import Pass, arguments, static_rows
 from kvexport.passes.packed_weights import FusedPackedLinearPass
 from kvexport.passes.quantized_weights import FusedDequantizeMatmulPass
 from kvexport.passes.weight_stationary_linear import WeightStationaryLinearPass
@@ -59,36 +59,37 @@ class AotiPartitioner(PortablePartitioner):
         return [_LeaveInt8Products(self.packed_rows), _LeavePackedProducts(self.packed_rows, skip_rows=self.kernel_rows)]
 
 
+def _for_packed_kernels(node: torch.fx.Node, rows: frozenset[int]) -> bool:
+    """A linear over the packed kernels' row counts by a packed weight, or
+    with int8 activations: the compile must find it as a linear to give it
+    to a kernel (passes/packed_linear.py, passes/int8_linear.py)."""
+    from kvexport.partitioners.aoti.passes.int8_linear import int8_product
+    from kvexport.partitioners.aoti.passes.packed_linear import packed_weight
+
+    return (node.target is torch.ops.aten.linear.default and static_rows(node.args[0]) in rows
+            and (packed_weight(arguments(node)["weight"]) is not None or int8_product(node) is not None))
+
+
 class _LeavePackedProducts(WeightStationaryLinearPass):
-    """The weight-stationary layout for fp32 linears, except products by a
-    packed weight over the packed kernel's row counts: the compile must find
-    those as linears (passes/packed_linear.py)."""
+    """The weight-stationary layout for fp32 linears, except the products
+    the packed kernels take."""
 
     def __init__(self, packed_rows: tuple[int, ...], skip_rows: tuple[int, ...]):
         super().__init__(skip_rows=skip_rows)
         self.packed_rows = frozenset(packed_rows)
 
     def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
-        from kvexport.partitioners.aoti.passes.int8_linear import int8_product
-        from kvexport.partitioners.aoti.passes.packed_linear import packed_weight
-
-        return [n for n in super().candidates(graph_module)
-                if not (self.parts(n)[5] in self.packed_rows
-                        and (packed_weight(self.parts(n)[1]) is not None or int8_product(n) is not None))]
+        return [n for n in super().candidates(graph_module) if not _for_packed_kernels(n, self.packed_rows)]
 
 
 class _LeaveInt8Products(FusedDequantizeMatmulPass):
-    """Dequantized products fused with their few rows, except products with
-    int8 activations over the packed kernel's row counts: the compile must
-    find those as linears (passes/int8_linear.py)."""
+    """Dequantized products fused with their few rows, except the products
+    the packed kernels take (the int8 ones: this pass would fuse their
+    blocks' dequantization)."""
 
     def __init__(self, packed_rows: tuple[int, ...]):
         super().__init__()
         self.packed_rows = frozenset(packed_rows)
 
     def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
-        from kvexport.partitioners.aoti.passes.int8_linear import int8_product
-
-        return [n for n in super().candidates(graph_module)
-                if not (static_rows(n.args[0]) in self.packed_rows and n.target is torch.ops.aten.linear.default
-                        and int8_product(n) is not None)]
+        return [n for n in super().candidates(graph_module) if not _for_packed_kernels(n, self.packed_rows)]
