@@ -84,10 +84,14 @@ def shared_folder(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def session_trust_dir(tmp_path_factory):
     """One trust store for the session, never the user's: the aoti packages
-    exported here are recorded in it, so they load like a user's own."""
+    exported here are recorded in it, so they load like a user's own. One
+    compile cache for the session, never the user's: a method two packages
+    share (`sample`, a model's forward under two recipes) compiles once, and
+    a session compiles everything it tests at least once."""
     with pytest.MonkeyPatch.context() as mp:
         path = tmp_path_factory.mktemp("trust")
         mp.setenv("KVEXPORT_TRUST_DIR", str(path))
+        mp.setenv("KVEXPORT_COMPILE_CACHE", str(shared_folder(tmp_path_factory) / "compiled"))
         yield path
 
 

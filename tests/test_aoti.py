@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 
 import pytest
@@ -135,23 +136,81 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
     assert not (tmp_path / "p").exists()
 
 
+def compile_job(package, method, output, **changes):
+    """The job that compiled `method` of `package`, writing to `output`."""
+    from dataclasses import replace
+
+    from kvexport.partitioners.aoti.compile import CompileJob
+    from kvexport.partitioners.aoti.kernels.build import archive_dir
+
+    manifest = json.loads((package / "manifest.json").read_text())
+    target = manifest["backend"]["target"]
+    entry, rows, packed = manifest["methods"][method], tuple(target["fp32_kernel_rows"]), tuple(target["packed_kernel_rows"])
+    job = CompileJob(method, package / entry["program"], package / "weights.safetensors", entry["weights"],
+                     manifest["weights"].get("aliases", {}), entry["inputs"], output, "cpu", tuple(entry.get("state", [])),
+                     rows, archive_dir() if rows or packed else None, packed)
+    return replace(job, **changes)
+
+
 def test_a_method_compiles_to_identical_bytes(tmp_path, aoti_package):
     """The compiled code too: AOTInductor writes its compile directory into
     the code, and each method compiles in a directory fixed by its name. One
     method compiled again from the package's own files gives the bytes the
     export stored (a whole re-export proves no more)."""
-    from kvexport.partitioners.aoti.compile import CompileJob, compile_one
-    from kvexport.partitioners.aoti.kernels.build import archive_dir
+    from kvexport.partitioners.aoti.compile import compile_one
 
-    manifest = json.loads((aoti_package / "manifest.json").read_text())
-    target = manifest["backend"]["target"]
-    entry, rows, packed = manifest["methods"]["forward_4"], tuple(target["fp32_kernel_rows"]), tuple(target["packed_kernel_rows"])
-    job = CompileJob("forward_4", aoti_package / entry["program"], aoti_package / "weights.safetensors",
-                     entry["weights"], manifest["weights"].get("aliases", {}), entry["inputs"], tmp_path / entry["compiled"],
-                     "cpu", tuple(entry.get("state", [])), rows, archive_dir() if rows or packed else None, packed)
-    job.output.parent.mkdir()
-    compile_one(job)
-    assert job.output.read_bytes() == (aoti_package / entry["compiled"]).read_bytes()
+    job = compile_job(aoti_package, "forward_4", tmp_path / "forward_4.aoti.pt2")
+    assert compile_one(job)[3]  # in its fixed directory
+    assert job.output.read_bytes() == (aoti_package / "programs/forward_4.aoti.pt2").read_bytes()
+
+
+def test_the_compile_cache_gives_the_bytes_a_compile_gives(tmp_path, aoti_package):
+    """The session's export kept its methods (conftest's compile cache): a
+    compile of the same job is a copy of them; damaged ones compile again."""
+    from kvexport.partitioners.aoti import compile_cache
+    from kvexport.partitioners.aoti.compile import compile_methods, configs_of
+
+    lines = []
+    jobs = [compile_job(aoti_package, m, tmp_path / f"{m}.aoti.pt2") for m in ("forward_others", "sample_argmax")]
+    compile_methods(jobs, 1, lines.append)
+    assert lines[-1] == "all 2 methods from the compile cache (KVEXPORT_COMPILE_CACHE=off compiles them)", lines
+    for job in jobs:
+        assert job.output.read_bytes() == (aoti_package / f"programs/{job.method}.aoti.pt2").read_bytes()
+
+    kept = compile_cache.folder() / f"{compile_cache.key(jobs[1], configs_of(jobs[1]))}.pt2"
+    kept.write_bytes(kept.read_bytes()[:-1] + b"x")
+    lines.clear()
+    compile_methods(jobs[1:], 1, lines.append)
+    assert re.search(r"^\[1/1\] sample_argmax compiled in [0-9.]+ s$", lines[0]), lines
+    assert jobs[1].output.read_bytes() == (aoti_package / "programs/sample_argmax.aoti.pt2").read_bytes()
+    assert compile_cache.fetch(compile_cache.folder(), kept.stem, tmp_path / "again.pt2") is not None  # kept anew
+
+
+def test_the_compile_cache_key_covers_what_the_bytes_depend_on(tmp_path, aoti_package):
+    """A parameter's values never reach the code (a compile sees stand-ins):
+    the key ignores them. Buffers and constants may be folded in, the
+    kernels' rows decide what the code calls: the key covers both."""
+    from kvexport.contract.safetensors_io import read_header
+    from kvexport.partitioners.aoti.compile_cache import key
+    from kvexport.partitioners.aoti.compile import configs_of
+
+    def key_of(job):
+        return key(job, configs_of(job))
+
+    job = compile_job(aoti_package, "forward_4", tmp_path / "out.pt2")
+    base = key_of(job)
+    assert key_of(compile_job(aoti_package, "forward_4", tmp_path / "elsewhere.pt2")) == base
+    assert key_of(compile_job(aoti_package, "forward_4", tmp_path / "out.pt2", kernel_rows=(1, 2))) != base
+
+    ranges, _ = read_header(job.weights)
+    parameter = next(r for n, r in ranges.items() if n in job.bindings["parameters"])
+    buffer = next(r for n, r in ranges.items() if n in job.bindings["buffers"] + job.bindings["constants"])
+    for stored, same in ((parameter, True), (buffer, False)):
+        weights = bytearray(job.weights.read_bytes())
+        weights[stored.offset] ^= 0xFF
+        changed = tmp_path / f"{stored.name}.safetensors"
+        changed.write_bytes(bytes(weights))
+        assert (key_of(compile_job(aoti_package, "forward_4", job.output, weights=changed)) == base) is same, stored.name
 
 
 def test_bf16_products_run_on_the_row_kernel(tiny_package):

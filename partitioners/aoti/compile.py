@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvexport.contract.errors import ExportError
+from kvexport.partitioners.aoti import compile_cache
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +56,20 @@ class CompileJob:
     packed_rows: tuple = ()  # products by packed weights over these static row counts call the packed kernel
 
 
-def compile_one(job: CompileJob) -> tuple[str, float, dict[str, int]]:
+def configs_of(job: CompileJob) -> dict:
+    """The inductor settings `job` compiles with."""
+    if not (job.kernel_rows or job.packed_rows):
+        return dict(INDUCTOR_CONFIGS)
+    from kvexport.partitioners.aoti.kernels.build import inductor_configs
+
+    return INDUCTOR_CONFIGS | inductor_configs()
+
+
+def compile_one(job: CompileJob) -> tuple[str, float, dict[str, int], bool]:
     """Runs in a worker: rebuild the method around the weights and compile.
-    Returns the method, the seconds it took and how many calls of each of
-    kvexport's kernels its compiled code makes."""
+    Returns the method, the seconds it took, how many calls of each of
+    kvexport's kernels its compiled code makes, and whether it compiled in
+    its fixed directory (so that another compile gives the same bytes)."""
     import warnings
 
     warnings.filterwarnings("ignore")  # torch's deprecation notices, once per worker
@@ -97,23 +108,21 @@ def compile_one(job: CompileJob) -> tuple[str, float, dict[str, int]]:
         constants[spec["name"]] = torch.zeros(spec["shape"], dtype=getattr(torch, spec["dtype"]), device=job.device)
     program = torch_compat.graph_from_json(gzip.decompress(job.graph.read_bytes()), state, constants)
     program.example_inputs = (tuple(t.to(job.device) for t in example_inputs(job.inputs)), {})
-    configs = dict(INDUCTOR_CONFIGS)
     calls: dict[str, int] = {}
     if job.kernel_rows or job.packed_rows:
-        from kvexport.partitioners.aoti.kernels.build import inductor_configs
         from kvexport.partitioners.aoti.passes import compile_passes
         from kvexport.passes.base import run_passes
 
         run_passes(program.graph_module, compile_passes(job.kernel_rows, job.packed_rows), job.method)
-        configs |= inductor_configs()
         for node in program.graph_module.graph.nodes:
             if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "kvexport":
                 name = node.target._schema.name.split("::")[-1]
                 calls[name] = calls.get(name, 0) + 1
     with compile_directory(job.method) as directory, temporary_cache_dir(str(directory)), _library_path(job.kernel_archive):
-        torch._inductor.aoti_compile_and_package(program, package_path=str(job.output), inductor_configs=configs)
+        torch._inductor.aoti_compile_and_package(program, package_path=str(job.output), inductor_configs=configs_of(job))
+        fixed = directory.name == job.method
     _drop_sources(job.output)
-    return job.method, time.perf_counter() - start, calls
+    return job.method, time.perf_counter() - start, calls, fixed
 
 
 def _drop_sources(archive: Path) -> None:
@@ -197,30 +206,50 @@ def example_inputs(specs: list[dict]) -> tuple:
 
 
 def compile_methods(jobs: list[CompileJob], workers: int, progress: Callable[[str], None]) -> dict[str, float]:
-    """Compiles every job; returns seconds per method. workers=0: one per
-    core, at most one per job."""
-    workers = workers or min(len(jobs), os.cpu_count() or 1)
-    seconds: dict[str, float] = {}
+    """Compiles every job, or copies it from the compile cache; returns the
+    seconds each method's compile took. workers=0: one per core, at most one
+    per job to compile."""
     start = time.perf_counter()
+    cache = compile_cache.folder()
+    keys = {job.method: compile_cache.key(job, configs_of(job)) for job in jobs} if cache else {}
+    seconds: dict[str, float] = {}
+    left = []
+    for job in jobs:
+        kept = compile_cache.fetch(cache, keys[job.method], job.output) if cache else None
+        if kept is None:
+            left.append(job)
+            continue
+        seconds[job.method] = kept.seconds
+        progress(f"[{len(seconds)}/{len(jobs)}] {job.method} from the compile cache (it compiled in {kept.seconds:.1f} s)"
+                 f"{_kernel_calls(kept.calls)}")
+
+    def compiled(job: CompileJob, result) -> None:
+        method, took, calls, fixed = result
+        seconds[method] = took
+        progress(f"[{len(seconds)}/{len(jobs)}] {method} compiled in {took:.1f} s{_kernel_calls(calls)}")
+        if cache and fixed:  # bytes another compile would reproduce
+            compile_cache.store(cache, keys[method], job.output, compile_cache.Entry(took, calls))
+
+    workers = workers or min(len(left), os.cpu_count() or 1)
     if workers <= 1:
-        for i, job in enumerate(jobs, 1):
-            method, took, calls = _run(compile_one, job)
-            seconds[method] = took
-            progress(f"[{i}/{len(jobs)}] {method} compiled in {took:.1f} s{_kernel_calls(calls)}")
-    else:
+        for job in left:
+            compiled(job, _run(compile_one, job))
+    elif left:
         # spawn: a forked child would inherit the parent's torch thread pools
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            pending = {pool.submit(compile_one, job) for job in jobs}
+            pending = {pool.submit(compile_one, job): job for job in left}
             while pending:
-                done, pending = wait(pending, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
+                done, _ = wait(pending, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
                 for future in done:
-                    method, took, calls = _run(future.result)
-                    seconds[method] = took
-                    progress(f"[{len(seconds)}/{len(jobs)}] {method} compiled in {took:.1f} s{_kernel_calls(calls)}")
+                    compiled(pending.pop(future), _run(future.result))
                 if not done:
-                    progress(_still_compiling(len(seconds), len(jobs), time.perf_counter() - start))
-    progress(f"compiled {len(jobs)} methods in {time.perf_counter() - start:.1f} s with {workers} worker(s)")
+                    progress(_still_compiling(len(left) - len(pending), len(left), time.perf_counter() - start))
+    reused = f", {len(jobs) - len(left)} from the compile cache" if len(left) < len(jobs) else ""
+    if left:
+        progress(f"compiled {len(left)} methods in {time.perf_counter() - start:.1f} s with {workers} worker(s){reused}")
+    else:
+        progress(f"all {len(jobs)} methods from the compile cache ({compile_cache.SETTING}=off compiles them)")
     return seconds
 
 

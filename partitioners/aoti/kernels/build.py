@@ -232,7 +232,7 @@ def _commands(kind: str, isa: str | None, out: Path) -> list[list[str]]:
 
 
 @functools.cache
-def _version(compiler: str) -> str:
+def compiler_version(compiler: str) -> str:
     return subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
 
 
@@ -245,7 +245,7 @@ def _build(kind: str, isa: str | None = None) -> Path:
         raise ExportError(f"kvexport's kernels need an x86 CPU with AVX2 or AVX-512; inductor compiles for "
                           f"{_isa() or 'no vector ISA'} here")
     probe = _commands(kind, isa, Path("OUT"))
-    key = hashlib.sha256("\0".join([*(f.read_text() for f in FILES), repr(probe), _version(probe[0][0])]).encode())
+    key = hashlib.sha256("\0".join([*(f.read_text() for f in FILES), repr(probe), compiler_version(probe[0][0])]).encode())
     root = cache_dir() / "kernels"
     final = root / f"{kind}-{isa or _isa()}-{key.hexdigest()[:16]}"
     if final.is_dir():
