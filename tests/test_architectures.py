@@ -38,7 +38,7 @@ def family(tiny_package, hf_model):
 def test_family_matches_hf(name, family):
     path, hf = family(name)
     report = verify(load(path), hf, [prompt_of(20, seed=1), prompt_of(5, seed=2), prompt_of(30, seed=3)], 32)
-    assert set(report["max_abs_logits_diff"]) == {"forward_1", "forward_2", "forward_4", "forward_8", "forward_others"}
+    assert set(report["max_abs_logits_diff"]) == {"forward_1", "forward_4", "forward_others"}
     assert max(report["max_abs_logits_diff"].values()) <= 1e-4, report["max_abs_logits_diff"]
     assert report["greedy_equal_alone"] and report["greedy_equal_batched"]
 

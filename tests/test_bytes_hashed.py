@@ -90,7 +90,7 @@ def test_a_program_swapped_after_load_never_runs(tmp_path, tiny_package):
     pkg = copy_of(tmp_path, tiny_package("tiny-llama"))
     expected = tokens(load(tiny_package("tiny-llama")))
     runtime = load(pkg)  # hashed here; forward_1 is built on first use
-    for method in ("forward_1", "forward_2", "forward_4", "forward_8"):
+    for method in ("forward_1", "forward_4"):
         swap(pkg / "programs" / f"{method}.json.gz", (pkg / "programs" / "sample_argmax.json.gz").read_bytes())
     assert tokens(runtime) == expected
 

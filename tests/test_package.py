@@ -37,16 +37,16 @@ def test_manifest_holds_the_contract(tiny_package):
     md = manifest["metadata"]
     assert METADATA_KEYS <= set(md)
     assert md["get_logits_to_keep_mode"] == 2 and md["get_n_caches"] == 2 and md["get_vocab_size"] == 1031
-    assert set(manifest["methods"]) == {"forward_1", "forward_2", "forward_4", "forward_8", "forward_others", "sample", "sample_argmax"}
+    assert set(manifest["methods"]) == {"forward_1", "forward_4", "forward_others", "sample", "sample_argmax"}
     for name, entry in manifest["methods"].items():
         if name.startswith("forward"):
             assert entry["step_width"] == "1:0"
             assert [i["name"] for i in entry["inputs"][:3]] == ["tokens", "input_pos", "logits_to_keep"]
     others = manifest["methods"]["forward_others"]["inputs"][0]["shape"][1]
-    assert others == {"name": "T", "min": 9, "max": 24}
+    assert others == {"name": "T", "min": 5, "max": 24}
     prov = manifest["provenance"]
     assert prov["source"]["builtin"] == "tiny-llama" and prov["tools"]["torch"].startswith("2.")
-    assert prov["recipe"]["forward_sizes"] == [1, 2, 4, 8]
+    assert prov["recipe"]["forward_sizes"] == [1, 4]
     for rel, entry in manifest["files"].items():  # checksums of every file
         assert sha256_file(path / rel) == entry["sha256"]
     assert {"weights.safetensors", "programs/forward_1.json.gz"} <= set(manifest["files"])
@@ -156,7 +156,7 @@ def broken_copy(tmp_path, source, edit):
         (lambda m: m["metadata"].update(get_vocab_size=1000), "logits"),
         (lambda m: m["metadata"].update(get_offgraph_kv_max_cells=24), "metadata.get_offgraph_kv_max_cells"),
         (lambda m: m["metadata"].update(get_windows=[0, -1]), "metadata.get_windows"),
-        (lambda m: m["methods"].pop("forward_8"), "metadata.forward_sizes"),
+        (lambda m: m["methods"].pop("forward_4"), "metadata.forward_sizes"),
         (lambda m: m["methods"].update(forward_0=m["methods"]["forward_1"]), "methods.forward_0"),
         (lambda m: m.pop("metadata"), "metadata: missing"),
     ],
@@ -170,10 +170,10 @@ def test_load_refuses_bad_metadata_naming_the_key(tmp_path, tiny_package, edit, 
 def test_load_refuses_damaged_files(tmp_path, tiny_package):
     target = tmp_path / "pkg"
     shutil.copytree(tiny_package("tiny-llama"), target)
-    with open(target / "programs" / "forward_2.json.gz", "r+b") as f:
+    with open(target / "programs" / "forward_4.json.gz", "r+b") as f:
         f.seek(40)
         f.write(b"\0\0\0\0")
-    with pytest.raises(PackageError, match="programs/forward_2.json.gz: checksum"):
+    with pytest.raises(PackageError, match="programs/forward_4.json.gz: checksum"):
         load(target)
 
 
@@ -246,13 +246,13 @@ def test_a_gap_below_forward_others_is_refused(tmp_path, tiny_package):
                 if isinstance(dim, dict) and dim["name"] == "T":
                     dim["min"] = 12
 
-    with pytest.raises(PackageError, match="T from 12 leaves widths 9..11 that no method takes"):
+    with pytest.raises(PackageError, match="T from 12 leaves widths 5..11 that no method takes"):
         load(broken_copy(tmp_path, tiny_package("tiny-llama"), gap))
 
 
 def test_unlisted_program_files_are_refused(tmp_path, tiny_package):
     def unlisted(m):
-        m["files"].pop("programs/forward_2.json.gz")
+        m["files"].pop("programs/forward_4.json.gz")
 
-    with pytest.raises(PackageError, match="programs/forward_2.json.gz"):
+    with pytest.raises(PackageError, match="programs/forward_4.json.gz"):
         load(broken_copy(tmp_path, tiny_package("tiny-llama"), unlisted))

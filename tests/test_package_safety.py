@@ -262,12 +262,12 @@ def test_validate_checks_the_weights_against_the_bindings(tmp_path, tiny_package
 )
 def test_malformed_programs_are_listed_not_raised(tmp_path, tiny_package, content):
     pkg = copy(tmp_path, tiny_package)
-    (pkg / "programs/forward_2.json.gz").write_bytes(content)
+    (pkg / "programs/forward_4.json.gz").write_bytes(content)
     fix_checksums(pkg)
     report = validate_package(pkg)
-    assert any(v.startswith("methods.forward_2.program") for v in report.violations), report.violations
-    with pytest.raises(PackageError, match="forward_2"):
-        load(pkg).package.method("forward_2")
+    assert any(v.startswith("methods.forward_4.program") for v in report.violations), report.violations
+    with pytest.raises(PackageError, match="forward_4"):
+        load(pkg).package.method("forward_4")
 
 
 @pytest.mark.parametrize("content", ["[1, 2]", "{", '"text"', "null", "[" * 100000])

@@ -43,7 +43,7 @@ def refresh_checksum(target, manifest, rel):
 
 
 def swap_programs(target, manifest):
-    shutil.copy(target / "programs/forward_2.json.gz", target / "programs/forward_1.json.gz")
+    shutil.copy(target / "programs/forward_4.json.gz", target / "programs/forward_1.json.gz")
     refresh_checksum(target, manifest, "programs/forward_1.json.gz")
 
 
@@ -57,8 +57,8 @@ def others_not_wider(m):
     for spec in m["methods"]["forward_others"]["inputs"]:
         for dim in spec["shape"]:
             if isinstance(dim, dict) and dim["name"] == "T":
-                dim.update(min=5, max=8)
-    m["metadata"]["get_max_seq_len"] = 8
+                dim.update(min=2, max=4)
+    m["metadata"]["get_max_seq_len"] = 4
 
 
 RULES = [
@@ -69,18 +69,18 @@ RULES = [
     (dict(edit_manifest=lambda m: m["methods"].update(forward_x=m["methods"]["forward_1"])), "methods.forward_x: not a contract method name"),
     (dict(edit_manifest=lambda m: m["methods"].pop("sample")), "methods.sample_argmax: only allowed together with sample"),
     (dict(edit_manifest=lambda m: m["methods"]["forward_1"]["inputs"][0].update(dtype="int32")), "methods.forward_1.inputs[0] (tokens): expected tokens int64 [1, 1]"),
-    (dict(edit_manifest=lambda m: m["methods"]["forward_2"]["inputs"][1].update(shape=[3])), "methods.forward_2.inputs[1] (input_pos): expected input_pos int64 [2]"),
-    (dict(edit_manifest=others_not_wider), "methods.forward_others: T up to 8 is not wider than forward_8"),
+    (dict(edit_manifest=lambda m: m["methods"]["forward_4"]["inputs"][1].update(shape=[3])), "methods.forward_4.inputs[1] (input_pos): expected input_pos int64 [4]"),
+    (dict(edit_manifest=others_not_wider), "methods.forward_others: T up to 4 is not wider than forward_4"),
     (dict(edit_manifest=lambda m: m["metadata"].update(get_vocab_size=1000)), "methods.forward_1.outputs[0] (logits): expected logits float32 [1, 1000]"),
     (dict(edit_manifest=lambda m: m["metadata"].update(get_head_dims=[16])), "metadata.get_head_dims: has 1 entries, get_n_caches is 2"),
     (dict(edit_manifest=lambda m: m["metadata"].update(get_offgraph_kv_max_cells=20)), "metadata.get_offgraph_kv_max_cells: 20 must be above the widest step get_max_seq_len=24"),
     (dict(edit_manifest=lambda m: m["metadata"].update(get_min_prefill_chunk=30)), "metadata.get_min_prefill_chunk: 30 exceeds get_max_seq_len=24"),
-    (dict(edit_manifest=lambda m: m["metadata"].update(forward_sizes=[1, 2, 4])), "metadata.forward_sizes: [1, 2, 4] does not match the methods [1, 2, 4, 8]"),
+    (dict(edit_manifest=lambda m: m["metadata"].update(forward_sizes=[1, 2, 4])), "metadata.forward_sizes: [1, 2, 4] does not match the methods [1, 4]"),
     (dict(edit_manifest=lambda m: m["methods"]["forward_4"].update(step_width="1-0")), "methods.forward_4.step_width: step width '1-0' is malformed"),
     (dict(edit_manifest=lambda m: m["methods"]["forward_4"].update(step_width="12:0")), "methods.forward_4.step_width: step width '12:0': input 12 does not exist; the program takes 9 inputs"),
     (dict(edit_manifest=lambda m: m["methods"]["forward_others"].update(step_width="7:0")), "methods.forward_others.step_width: step width '7:0': input 7 (state_4) does not feed the positions; positions come from input 1 (input_pos)"),
     (dict(edit_manifest=lambda m: m["methods"]["forward_others"].update(step_width="1:1")), "methods.forward_others.step_width: step width '1:1': dim 1 is not the step"),
-    (dict(edit_files=swap_programs), "methods.forward_1.inputs[0] (tokens): dim 1 is 2 in the program, the manifest says 1"),
+    (dict(edit_files=swap_programs), "methods.forward_1.inputs[0] (tokens): dim 1 is 4 in the program, the manifest says 1"),
 ]
 
 
