@@ -18,7 +18,7 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -54,6 +54,7 @@ class CompileJob:
     kernel_rows: tuple = ()  # fp32 linears and attention over these static row counts call kvexport's kernels
     kernel_archive: Path | None = None  # the folder of kvexport's kernels' static library (kernels/build.py)
     packed_rows: tuple = ()  # products by packed weights over these static row counts call the packed kernel
+    threads: int = 0  # torch's threads while compiling (inductor splits loops by them); 0: the exporter's
 
 
 def configs_of(job: CompileJob) -> dict:
@@ -118,7 +119,8 @@ def compile_one(job: CompileJob) -> tuple[str, float, dict[str, int], bool]:
             if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "kvexport":
                 name = node.target._schema.name.split("::")[-1]
                 calls[name] = calls.get(name, 0) + 1
-    with compile_directory(job.method) as directory, temporary_cache_dir(str(directory)), _library_path(job.kernel_archive):
+    with compile_directory(job.method) as directory, temporary_cache_dir(str(directory)), _library_path(job.kernel_archive), \
+            _threads(job.threads):
         torch._inductor.aoti_compile_and_package(program, package_path=str(job.output), inductor_configs=configs_of(job))
         fixed = directory.name == job.method
     _drop_sources(job.output)
@@ -138,6 +140,18 @@ def _drop_sources(archive: Path) -> None:
             if not info.filename.endswith(".cpp"):
                 target.writestr(info, source.read(info))
     os.replace(staged, archive)
+
+
+@contextlib.contextmanager
+def _threads(count: int):
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(count or before)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager
@@ -209,7 +223,11 @@ def compile_methods(jobs: list[CompileJob], workers: int, progress: Callable[[st
     """Compiles every job, or copies it from the compile cache; returns the
     seconds each method's compile took. workers=0: one per core, at most one
     per job to compile."""
+    import torch
+
     start = time.perf_counter()
+    # every compile, here or in a worker, sees the exporter's thread count
+    jobs = [replace(job, threads=job.threads or torch.get_num_threads()) for job in jobs]
     cache = compile_cache.folder()
     keys = {job.method: compile_cache.key(job, configs_of(job)) for job in jobs} if cache else {}
     seconds: dict[str, float] = {}

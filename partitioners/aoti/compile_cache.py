@@ -7,7 +7,7 @@ compiles of one key give the same bytes, and a copy from here is the bytes a
 compile would give. The key covers the stored program, the weights' names,
 dtypes and shapes (the compile never reads a parameter's values; buffers and
 constants it may fold in are keyed by their bytes), the inputs, the compile
-options and kernels, torch, the C++ compiler, the CPU instruction set and
+options and kernels, the thread count inductor splits loops for, torch, the C++ compiler, the CPU instruction set and
 kvexport's own code. The folder is the user's own, beside the kernels'
 library that every compiled method links (kernels/build.py): whoever can
 write there could change either.
@@ -64,7 +64,7 @@ def key(job, configs: dict) -> str:
         digest.update(json.dumps(values, sort_keys=True, default=str).encode() + b"\0")
 
     compiler = get_cpp_compiler()
-    part(FORMAT, job.method, job.inputs, job.device, list(job.state), list(job.kernel_rows), list(job.packed_rows),
+    part(FORMAT, job.method, job.threads, job.inputs, job.device, list(job.state), list(job.kernel_rows), list(job.packed_rows),
          job.kernel_archive.name if job.kernel_archive else None, {k: repr(v) for k, v in sorted(configs.items())}, torch.__version__,
          str(pick_vec_isa()), os.environ.get("ATEN_CPU_CAPABILITY"), compiler, compiler_version(compiler), _code_digest())
     digest.update(gzip.decompress(job.graph.read_bytes()))
