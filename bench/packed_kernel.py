@@ -6,7 +6,8 @@ rows, in one run:
   from memory: the set is larger than the caches) and what that is per token,
   for 4- and 8-bit codes (per group of 32, and 8-bit per row as 8w stores it),
   weight-only (packed) and with int8 activations (codes in blocks, as
-  --qact int8 stores them);
+  --qact int8 stores them), the latter on both builds of the int8 kernel
+  where the CPU has VNNI (maddubs, vnni);
 - the same products on the row kernel with the fp32 weights, and the BLAS;
 - the streaming-read rate (bench/floor.py's `sum`), and each form's bytes
   over it: the floor a step cannot beat.
@@ -19,6 +20,7 @@ Set ATEN_CPU_CAPABILITY=avx2 to time the AVX2 build on an AVX-512 machine.
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -55,6 +57,35 @@ def blocks(out_features: int, width: int, bits: int, group: int, g: torch.Genera
     return pack_blocks(codes, bits), scale, offset, bits
 
 
+def direct(kernel: str, *operands):
+    """The kernel's math called straight through ctypes on operands whose
+    addresses are taken once: what a compiled method pays per call. (The
+    Python entries in build.py check the operands first, tens of
+    microseconds: more than a one-row product of a small linear takes.)"""
+    function = build.shared_kernel()[kernel]
+    values = [o.data_ptr() if isinstance(o, torch.Tensor) else o for o in operands]
+    return lambda held=operands: function(*values)  # held: the tensors live as long as the call
+
+
+def packed_call(x, words, scale, offset, bits, rows):
+    (m, k), out = x.shape, x.new_empty(x.shape[0], rows)
+    build.packed_linear(x, words, scale, offset, bits, rows, out=out)  # checks the operands once
+    return direct("packed_linear", x, k, words, scale, offset, out, m, rows, k, words.shape[0], scale.shape[1], bits)
+
+
+def int8_call(x, data, scale, offset, bits, products):
+    (m, k), n = x.shape, data.shape[0]
+    out = x.new_empty(m, n)
+    build.int8_linear(x, data, scale, offset, bits, out=out, products=products)
+    return direct(f"int8_linear_{products}", x, k, data, scale, offset, out, m, n, k, scale.shape[1], bits)
+
+
+def rows_call(x, weight):
+    (m, k), n = x.shape, weight.shape[0]
+    out = build.rows_linear(x, weight)
+    return direct("rows_linear", x, k, weight, out, m, n, k)
+
+
 def step_seconds(products, repeats: int) -> float:
     """The best time of running every product once."""
     for p in products:
@@ -81,6 +112,7 @@ def main() -> None:
     weights = {name: [packed(n, k, bits, group or k, g) for n, k in shapes] for name, (bits, group) in forms.items()}
     int8_forms = {"4-bit, groups of 32, int8 activations": (4, 32), "8-bit, per row, int8 activations": (8, 0)}
     int8_weights = {name: [blocks(n, k, bits, group or k, g) for n, k in shapes] for name, (bits, group) in int8_forms.items()}
+    int8_products = ["maddubs", "vnni"] if build.has_vnni() else ["maddubs"]  # the int8 kernel's two builds
     fp32 = [torch.randn(n, k, generator=g) for n, k in shapes]
     values = sum(n * k for n, k in shapes)
     read = read_rate()
@@ -90,19 +122,18 @@ def main() -> None:
         xs = {k: torch.randn(rows, k, generator=g) for k in {k for _, k in shapes}}
         row: dict[str, dict] = {}
         for name, ws in weights.items():
-            products = [lambda w=w: build.packed_linear(xs[w[0].shape[1]], *w) for w in ws]
-            seconds = step_seconds(products, args.repeats)
+            seconds = step_seconds([packed_call(xs[w[0].shape[1]], *w) for w in ws], args.repeats)
             nbytes = sum(w[0].numel() * 4 + w[1].numel() * 8 for w in ws)
             row[name] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),
                          "floor_ms": round(nbytes / (read["best_gbps"] * 1e9) * 1e3, 2)}
-        for name, ws in int8_weights.items():
+        for (name, ws), products in itertools.product(int8_weights.items(), int8_products):
             widths = [w[0].shape[1] * 8 // w[3] for w in ws]  # a row of data holds width * bits / 8 bytes
-            seconds = step_seconds([lambda w=w, k=k: build.int8_linear(xs[k], *w) for w, k in zip(ws, widths)], args.repeats)
+            seconds = step_seconds([int8_call(xs[k], *w, products) for w, k in zip(ws, widths)], args.repeats)
             nbytes = sum(w[0].numel() + w[1].numel() * 8 for w in ws)
-            row[name] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),
-                         "floor_ms": round(nbytes / (read["best_gbps"] * 1e9) * 1e3, 2)}
-        for name, fn in (("fp32, row kernel", lambda x, w: build.rows_linear(x, w)), ("fp32, BLAS", F.linear)):
-            seconds = step_seconds([lambda w=w: fn(xs[w.shape[1]], w) for w in fp32], args.repeats)
+            row[f"{name} ({products})"] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),
+                                           "floor_ms": round(nbytes / (read["best_gbps"] * 1e9) * 1e3, 2)}
+        for name, call in (("fp32, row kernel", rows_call), ("fp32, BLAS", lambda x, w: lambda: F.linear(x, w))):
+            seconds = step_seconds([call(xs[w.shape[1]], w) for w in fp32], args.repeats)
             row[name] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),
                          "floor_ms": round(values * 4 / (read["best_gbps"] * 1e9) * 1e3, 2)}
         result["rows"][rows] = row

@@ -255,6 +255,24 @@ def test_int8_linear(isa, shims, bits, rows, out_features, width, groups, row_st
     out = torch.full((rows, out_features), float("nan"))
     assert_float_sum(build.int8_linear(x, data, scale, offset, bits, out=out, isa=isa), rounded, weight)
     assert_float_sum(shims.call("int8_linear", x, data, scale, offset, bits), rounded, weight)
+    for products in INT8_PRODUCTS[isa]:
+        assert_float_sum(build.int8_linear(x, data, scale, offset, bits, isa=isa, products=products), rounded, weight)
+
+
+INT8_PRODUCTS = {isa: ["maddubs", "vnni"] if build.has_vnni(isa) else ["maddubs"] for isa in ISAS}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_int8_kernel_runs_vnni_where_the_cpu_has_it(isa, shims, bits):
+    """Both builds sum the same integers: with 4-bit codes, the same bits;
+    compiled code (the shim) runs the VNNI build where the CPU has it."""
+    if "vnni" not in INT8_PRODUCTS[isa]:
+        pytest.skip(f"this CPU has no VNNI for the {isa} build")
+    x, data, scale, offset, _, _ = int8_operands(bits, 5, 131, 96, 3)
+    vnni = build.int8_linear(x, data, scale, offset, bits, isa=isa, products="vnni")
+    assert torch.equal(shims.call("int8_linear", x, data, scale, offset, bits), vnni)
+    if bits == 4:
+        assert torch.equal(build.int8_linear(x, data, scale, offset, bits, isa=isa, products="maddubs"), vnni)
 
 
 def test_the_int8_op_is_its_decomposition():

@@ -50,6 +50,7 @@ SHIMS = HERE / "shims.cpp"
 FILES = (*MATH, SHIMS, HERE / "vec.h", HERE / "signatures.py")  # everything a build reads
 LIBRARY = "kvexport_kernels"
 ISAS = ("avx2", "avx512")
+VNNI_FLAGS = {"avx2": "-mavxvnni", "avx512": "-mavx512vnni"}  # the VNNI of each build: AVX-VNNI, AVX512-VNNI
 
 
 def supported() -> bool:
@@ -145,11 +146,23 @@ def packed_linear(x, words, scale, offset, bits: int, rows: int, out=None, isa: 
     return out
 
 
-def int8_linear(x, data, scale, offset, bits: int, out=None, isa: str | None = None):
+def has_vnni(isa: str | None = None) -> bool:
+    """Whether this CPU has the VNNI that int8_linear's build for `isa`
+    uses (AVX-VNNI for AVX2, AVX512-VNNI for AVX-512)."""
+    flag = {"avx2": "avx_vnni", "avx512": "avx512_vnni"}[isa or _isa()]
+    try:
+        return flag in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+def int8_linear(x, data, scale, offset, bits: int, out=None, isa: str | None = None, products: str = ""):
     """x [M, K] (unit stride along K), its rows rounded to int8 per block of
     32, times the weight of codes in blocks (data uint8 [N, K * bits / 8],
     scale and offset fp32 [N, groups], passes/packed_weights.py) transposed,
-    on the int8_linear kernel (built for `isa`), into out [M, N] when given."""
+    on the int8_linear kernel (built for `isa`), into out [M, N] when given.
+    products: "" as compiled code runs it (VNNI where the CPU has it),
+    "maddubs" or "vnni" (see has_vnni) for that build alone."""
     import torch
 
     (m, k), n = x.shape, data.shape[0]
@@ -163,8 +176,11 @@ def int8_linear(x, data, scale, offset, bits: int, out=None, isa: str | None = N
         raise ValueError("int8_linear takes fp32 x [M, K] with unit stride along K, contiguous uint8 data "
                          "[N, K * bits / 8] of 4 or 8 bits, fp32 scale and offset [N, groups] with K a multiple of "
                          "32 * groups, and out [M, N]")
-    shared_kernel(isa)[INT8_LINEAR.name](x.data_ptr(), x.stride(0), data.data_ptr(), scale.data_ptr(),
-                                          offset.data_ptr(), out.data_ptr(), m, n, k, groups, bits)
+    if products not in ("", "maddubs", "vnni"):
+        raise ValueError(f"int8_linear's products are maddubs or vnni, not {products!r}")
+    kernel = f"{INT8_LINEAR.name}_{products}" if products else INT8_LINEAR.name
+    shared_kernel(isa)[kernel](x.data_ptr(), x.stride(0), data.data_ptr(), scale.data_ptr(), offset.data_ptr(),
+                               out.data_ptr(), m, n, k, groups, bits)
     return out
 
 
@@ -210,6 +226,15 @@ def _arch_flags(isa: str | None) -> list[str]:
     return builds[isa]().build_arch_flags().split()
 
 
+def _units(isa: str | None) -> list[tuple[Path, list[str], str]]:
+    """Each compile of the math: (source, its own flags, object name).
+    int8_linear.cpp compiles twice, the second time with VNNI's integer dot
+    products (vpdpbusd), which its first build's entry calls where the CPU
+    has them: a package built here runs on a CPU without them too."""
+    vnni = VNNI_FLAGS[isa or _isa()]
+    return [*((source, [], source.stem) for source in MATH), (HERE / "int8_linear.cpp", ["-DKV_VNNI", vnni], "int8_linear_vnni")]
+
+
 def _commands(kind: str, isa: str | None, out: Path) -> list[list[str]]:
     """The compiler runs that build `kind`; out holds kernels.h and the result."""
     import torch.utils.cpp_extension
@@ -217,18 +242,20 @@ def _commands(kind: str, isa: str | None, out: Path) -> list[list[str]]:
 
     compiler = get_cpp_compiler()
     flags = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", *_arch_flags(isa), f"-I{out}"]
+    units = _units(isa)
+    if kind != "shared":  # the shims, against torch's headers
+        flags += ["-DKVEXPORT_AOTI_SHIM", *(f"-I{path}" for path in torch.utils.cpp_extension.include_paths())]
+        units.append((SHIMS, [], SHIMS.stem))
+    objects = [str(out / f"{name}.o") for _, _, name in units]
+    compiles = [[compiler, *flags, *extra, "-c", str(source), "-o", obj] for (source, extra, _), obj in zip(units, objects)]
+    if kind == "archive":
+        return [*compiles, ["ar", "rcs", str(out / f"lib{LIBRARY}.a"), *objects]]
     if kind == "shared":
-        return [[compiler, *flags, "-shared", *map(str, MATH), "-o", str(out / f"lib{LIBRARY}.so")]]
-    torch_flags = ["-DKVEXPORT_AOTI_SHIM", *(f"-I{path}" for path in torch.utils.cpp_extension.include_paths())]
-    if kind == "shims":
-        libraries = torch.utils.cpp_extension.library_paths()
-        return [[compiler, *flags, *torch_flags, "-shared", *map(str, (*MATH, SHIMS)), *(f"-L{p}" for p in libraries),
-                 *(f"-Wl,-rpath,{p}" for p in libraries), "-ltorch", "-ltorch_cpu", "-lc10",
-                 "-o", str(out / f"lib{LIBRARY}_shims.so")]]
-    objects = [out / source.with_suffix(".o").name for source in (*MATH, SHIMS)]
-    return [*([compiler, *flags, *torch_flags, "-c", str(source), "-o", str(obj)]
-              for source, obj in zip((*MATH, SHIMS), objects)),
-            ["ar", "rcs", str(out / f"lib{LIBRARY}.a"), *map(str, objects)]]
+        return [*compiles, [compiler, *flags, "-shared", *objects, "-o", str(out / f"lib{LIBRARY}.so")]]
+    libraries = torch.utils.cpp_extension.library_paths()
+    return [*compiles, [compiler, *flags, "-shared", *objects, *(f"-L{p}" for p in libraries),
+                        *(f"-Wl,-rpath,{p}" for p in libraries), "-ltorch", "-ltorch_cpu", "-lc10",
+                        "-o", str(out / f"lib{LIBRARY}_shims.so")]]
 
 
 @functools.cache

@@ -14,12 +14,18 @@
 // multiply each row's sum of xq over a group, computed once a call.
 //
 // 4-bit codes are unpacked in registers (a mask and a shift of 16 bytes make
-// the block's 32 unsigned bytes). 8-bit codes are unsigned too: a flipped top
-// bit makes them code - 128 (signed), whose magnitude and sign feed maddubs
-// (unsigned by signed bytes; 255 * 127 twice would saturate its int16 sums),
-// and 128 * scale joins the group's offset. A register tile of MR rows by LT
-// weight rows unpacks each block once for the MR rows. A thread walks its own
-// band of weight rows.
+// the block's 32 unsigned bytes). A register tile of MR rows by LT weight
+// rows unpacks each block once for the MR rows. A thread walks its own band
+// of weight rows.
+//
+// This file compiles twice (build.py). Built plain, the products are
+// maddubs then madd (AVX2): 8-bit codes, unsigned, are flipped to code - 128
+// (signed), whose magnitude and sign feed maddubs (255 * 127 twice would
+// saturate its int16 sums), and 128 * scale joins the group's offset. Built
+// with KV_VNNI, they are one vpdpbusd (unsigned by signed bytes, four
+// products summed straight into int32: nothing saturates, 8-bit codes stay
+// as they are). kvexport_int8_linear, in the plain build, calls the VNNI
+// build where the CPU has it. Both sum the same integers exactly.
 
 #include <omp.h>
 
@@ -82,14 +88,24 @@ Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups)
   return r;
 }
 
-// a block's 32 codes of weight row `row` as bytes in K order: unsigned for 4
-// bits; code - 128 for 8 bits
+#ifdef KV_VNNI
+constexpr bool VNNI = true;
+#else
+constexpr bool VNNI = false;
+#endif
+// what the products take an 8-bit code as: code - SHIFT (maddubs needs them signed)
+constexpr float SHIFT_8BIT = VNNI ? 0.0f : 128.0f;
+
+// a block's 32 codes of weight row `row` as bytes in K order: unsigned, but
+// code - 128 for 8 bits on maddubs
 template <int BITS>
 inline ivec codes_of(const uint8_t* row, int64_t b) {
   if constexpr (BITS == 4) {
     // the 16 bytes in both halves (a load), the upper half shifted down a nibble, both masked
     const ivec both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(row + b * (BLOCK / 2))));
     return _mm256_and_si256(_mm256_blend_epi32(both, _mm256_srli_epi16(both, 4), 0xf0), _mm256_set1_epi8(15));
+  } else if constexpr (VNNI) {
+    return _mm256_loadu_si256((const ivec*)(row + b * BLOCK));
   } else {
     return _mm256_xor_si256(_mm256_loadu_si256((const ivec*)(row + b * BLOCK)), _mm256_set1_epi8((char)0x80));
   }
@@ -98,6 +114,9 @@ inline ivec codes_of(const uint8_t* row, int64_t b) {
 // the 32 products of a block summed in 8 int32 lanes
 template <int BITS>
 inline vec dot(ivec w, ivec q) {
+#ifdef KV_VNNI
+  return _mm256_cvtepi32_ps(dot_u8s8(_mm256_setzero_si256(), w, q));
+#else
   const ivec ones = _mm256_set1_epi16(1);
   ivec pairs;
   if constexpr (BITS == 4)
@@ -105,6 +124,26 @@ inline vec dot(ivec w, ivec q) {
   else
     pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w));  // |w| <= 128, |q| <= 127
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+#endif
+}
+
+// acc plus the offset terms of a weight row (its offsets, and SHIFT_8BIT
+// times its scales for 8 bits) by a row's sums of xq per group, 8 groups a vector
+template <int BITS>
+inline vec fma_offsets(const float* offset, const float* scale, const float* sums, int64_t groups, vec acc) {
+  constexpr bool shifted = BITS == 8 && SHIFT_8BIT != 0.0f;
+  int64_t g = 0;
+  for (; g + LANES <= groups; g += LANES) {
+    const vec o = shifted ? fma(broadcast(SHIFT_8BIT), load(scale + g), load(offset + g)) : load(offset + g);
+    acc = fma(o, load(sums + g), acc);
+  }
+  if (g < groups) {
+    const int left = (int)(groups - g);
+    const vec o = shifted ? fma(broadcast(SHIFT_8BIT), load_first(scale + g, left), load_first(offset + g, left))
+                          : load_first(offset + g, left);
+    acc = fma(o, load_first(sums + g, left), acc);
+  }
+  return acc;
 }
 
 // rows m0..m0+MR by weight rows n0..n0+L (L <= LT)
@@ -145,15 +184,9 @@ inline void tile(const Rows& rows, const uint8_t* data, const float* scale, cons
   for (int j = 0; j < L; j++) {
     const int64_t n = n0 + j;
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) {
-      const float* sums = rows.sums.data() + (m0 + i) * groups;
-      float shift = 0.0f;
-      for (int64_t g = 0; g < groups; g++) {
-        const float o = BITS == 8 ? offset[n * groups + g] + 128.0f * scale[n * groups + g] : offset[n * groups + g];
-        shift += o * sums[g];
-      }
-      out[(m0 + i) * N + n] = total(acc[i][j]) + shift;
-    }
+    for (int i = 0; i < MR; i++)
+      out[(m0 + i) * N + n] = total(fma_offsets<BITS>(offset + n * groups, scale + n * groups,
+                                                     rows.sums.data() + (m0 + i) * groups, groups, acc[i][j]));
   }
 }
 
@@ -204,10 +237,24 @@ void product(const float* x, int64_t ldx, const uint8_t* data, const float* scal
 // x: [M, K] fp32 (row stride ldx), K a multiple of 32; data: uint8 codes in
 // blocks, [N, K * bits / 8] contiguous; scale, offset: fp32 [N, groups]
 // contiguous, K / groups a multiple of 32; out: [M, N] contiguous
-void kvexport_int8_linear(const float* x, int64_t ldx, const uint8_t* data, const float* scale, const float* offset,
-                          float* out, int64_t M, int64_t N, int64_t K, int64_t groups, int64_t bits) {
+#ifdef KV_VNNI
+void kvexport_int8_linear_vnni(
+#else
+void kvexport_int8_linear_maddubs(
+#endif
+    const float* x, int64_t ldx, const uint8_t* data, const float* scale, const float* offset, float* out, int64_t M,
+    int64_t N, int64_t K, int64_t groups, int64_t bits) {
   if (bits == 4)
     product<4>(x, ldx, data, scale, offset, out, M, N, K, groups);
   else
     product<8>(x, ldx, data, scale, offset, out, M, N, K, groups);
 }
+
+#ifndef KV_VNNI
+void kvexport_int8_linear(const float* x, int64_t ldx, const uint8_t* data, const float* scale, const float* offset,
+                          float* out, int64_t M, int64_t N, int64_t K, int64_t groups, int64_t bits) {
+  static const bool vnni = has_vnni();
+  (vnni ? kvexport_int8_linear_vnni : kvexport_int8_linear_maddubs)(x, ldx, data, scale, offset, out, M, N, K, groups,
+                                                                   bits);
+}
+#endif

@@ -85,7 +85,11 @@ INT8_LINEAR = Kernel(
     shim=("AtenTensorHandle x", "AtenTensorHandle data", "AtenTensorHandle scale", "AtenTensorHandle offset",
           "int64_t bits"),
 )
-KERNELS = (ROWS_LINEAR, ROWS_LINEAR_BF16, MASKED_ATTENTION, PACKED_LINEAR, INT8_LINEAR)
+# int8_linear's two builds (kernels/build.py): its entry calls the VNNI one where the CPU has VNNI
+INT8_LINEAR_MADDUBS = Kernel("int8_linear_maddubs", math=INT8_LINEAR.math, shim=None)
+INT8_LINEAR_VNNI = Kernel("int8_linear_vnni", math=INT8_LINEAR.math, shim=None)
+KERNELS = (ROWS_LINEAR, ROWS_LINEAR_BF16, MASKED_ATTENTION, PACKED_LINEAR, INT8_LINEAR, INT8_LINEAR_MADDUBS,
+           INT8_LINEAR_VNNI)
 SHIMMED = tuple(kernel for kernel in KERNELS if kernel.shim is not None)  # the custom ops compiled code calls
 
 

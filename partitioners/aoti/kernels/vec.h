@@ -107,6 +107,23 @@ static inline vec load_first(const uint16_t* p, int n) {
   return load(part);
 }
 
+// VNNI, where a build has it (build.py compiles int8_linear.cpp a second
+// time with it): acc + the sums of 4 products of unsigned bytes u by signed
+// bytes s in each int32 lane (vpdpbusd), exact
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#endif
+// whether this CPU has the VNNI of this build's instruction set
+static inline bool has_vnni() {
+#ifdef __AVX512VL__
+  return __builtin_cpu_supports("avx512vnni");
+#else
+  return __builtin_cpu_supports("avxvnni");
+#endif
+}
+
 // fetches the cache line at p into L2 ahead of its use: weights streamed a
 // few rows ahead overlap the reads with the arithmetic (T0 and NTA hints
 // measured slower)
