@@ -9,6 +9,7 @@ rows, in one run:
   --qact int8 stores them), the latter on both builds of the int8 kernel
   where the CPU has VNNI (maddubs, vnni);
 - the same products on the row kernel with the fp32 weights, and the BLAS;
+  on the row kernel with bf16 weights (widened to fp32 in registers);
 - the streaming-read rate (bench/floor.py's `sum`), and each form's bytes
   over it: the floor a step cannot beat.
 
@@ -83,7 +84,8 @@ def int8_call(x, data, scale, offset, bits, products):
 def rows_call(x, weight):
     (m, k), n = x.shape, weight.shape[0]
     out = build.rows_linear(x, weight)
-    return direct("rows_linear", x, k, weight, out, m, n, k)
+    kernel = {torch.float32: "rows_linear", torch.bfloat16: "rows_linear_bf16"}[weight.dtype]
+    return direct(kernel, x, k, weight, out, m, n, k)
 
 
 def step_seconds(products, repeats: int) -> float:
@@ -114,6 +116,7 @@ def main() -> None:
     int8_weights = {name: [blocks(n, k, bits, group or k, g) for n, k in shapes] for name, (bits, group) in int8_forms.items()}
     int8_products = ["maddubs", "vnni"] if build.has_vnni() else ["maddubs"]  # the int8 kernel's two builds
     fp32 = [torch.randn(n, k, generator=g) for n, k in shapes]
+    bf16 = [w.bfloat16() for w in fp32]
     values = sum(n * k for n, k in shapes)
     read = read_rate()
     result = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "shape": args.shape, "read_rate": read,
@@ -132,10 +135,12 @@ def main() -> None:
             nbytes = sum(w[0].numel() + w[1].numel() * 8 for w in ws)
             row[f"{name} ({products})"] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),
                                            "floor_ms": round(nbytes / (read["best_gbps"] * 1e9) * 1e3, 2)}
-        for name, call in (("fp32, row kernel", rows_call), ("fp32, BLAS", lambda x, w: lambda: F.linear(x, w))):
-            seconds = step_seconds([call(xs[w.shape[1]], w) for w in fp32], args.repeats)
+        floats = [("fp32, row kernel", fp32, xs, rows_call), ("fp32, BLAS", fp32, xs, lambda x, w: lambda: F.linear(x, w)),
+                  ("bf16, row kernel", bf16, xs, rows_call)]
+        for name, ws, inputs, call in floats:
+            seconds = step_seconds([call(inputs[w.shape[1]], w) for w in ws], args.repeats)
             row[name] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),
-                         "floor_ms": round(values * 4 / (read["best_gbps"] * 1e9) * 1e3, 2)}
+                         "floor_ms": round(values * ws[0].element_size() / (read["best_gbps"] * 1e9) * 1e3, 2)}
         result["rows"][rows] = row
         print(f"{rows:>2} rows: " + "; ".join(f"{k} {v['ms']} ms (floor {v['floor_ms']})" for k, v in row.items()),
               flush=True)
