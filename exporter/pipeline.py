@@ -5,6 +5,8 @@ and dumps every method's graph after the steps that change graphs
 
     memory plan             the private memory the export needs, from the source's
                             headers; over --max-memory it stops before any work
+    backend options         what the backend decides once (it may measure the
+                            machine or build its kernels) and its partitioners
     load                    the model (and tokenizer) from its source, mapped
     reference (float)       a quantized export's float greedy tokens (for fp32_agreement)
     quantize                when --qlinear / --qembedding ask
@@ -79,10 +81,11 @@ class ExportState:
     progress: Progress
     transform_passes: list[Pass]
     backend: Backend
-    options: BackendOptions  # what the backend decided for this export, once
-    partitioners: list[Partitioner]
+    given_partitioners: list[Partitioner] | None  # the caller's, in place of the backend's own
     stack: contextlib.ExitStack
     dump: "GraphDump"
+    options: BackendOptions | None = None  # what the backend decided for this export, once
+    partitioners: list[Partitioner] = field(default_factory=list)
     loaded: LoadedModel | None = None
     coverage: list[dict] = field(default_factory=list)
     forward: Any = None
@@ -118,13 +121,17 @@ def step(title: str, dump: str | None = None):
 @step("memory plan")
 def memory_plan(state: ExportState) -> None:
     """The private memory the export will need, from the source's headers;
-    over --max-memory, the export stops here, before any work."""
+    over --max-memory, the export stops here, before any work (the backend's
+    compile workers as its compile_workers hook counts them)."""
+    _plan_memory(state, state.backend.compile_workers(state.spec))
+
+
+def _plan_memory(state: ExportState, workers: int) -> None:
     spec = state.spec
     source = source_weights(spec.model, spec.dtype)
     quantized = 0
     if spec.qlinear or spec.qembedding:
         quantized = schemes.scheme(spec.qlinear or spec.qembedding).plan_bytes(source.matrix_values)
-    workers = state.options.compile_workers
     plan = state.memory = plan_memory(private_weights=source.private_bytes, quantized_bytes=quantized, compile_workers=workers)
     state.progress(f"memory plan: about {plan.total / 1e9:.2f} GB of private memory ({plan.describe()}); "
                    f"{source.export_bytes / 1e9:.2f} GB of weights")
@@ -160,6 +167,17 @@ def quantize(state: ExportState) -> None:
     for row in state.coverage:
         if row["module"] in inner:
             row["stored"] = inner[row["module"]]  # tensors for now: named once weights are gathered
+
+
+@step("backend options")
+def backend_options(state: ExportState) -> None:
+    """After the memory plan: a backend may measure the machine or build its
+    kernels here, work an export refused for memory never waits for."""
+    state.options = state.backend.configure(state.spec)
+    if state.options.compile_workers != state.backend.compile_workers(state.spec):  # a backend without the hook
+        _plan_memory(state, state.options.compile_workers)
+    given = state.given_partitioners
+    state.partitioners = list(given) if given is not None else state.backend.partitioners(state.options)
 
 
 def _qact(spec, options) -> str:
@@ -340,7 +358,7 @@ def commit(state: ExportState) -> None:
 
 
 STEPS = [
-    memory_plan, load, reference_float, quantize, reference_tokens, build_forward_step, plan, trace, caller_passes, fuse_linears,
+    memory_plan, backend_options, load, reference_float, quantize, reference_tokens, build_forward_step, plan, trace, caller_passes, fuse_linears,
     backend_passes, partition_and_lower_step,
     reserve_constant_names_step, gather, write, compile_methods, commit,
 ]
@@ -370,9 +388,8 @@ def export_package(
     backend = get_backend(spec.backend)
     dump = GraphDump(dump_graphs)
     with contextlib.ExitStack() as stack:
-        options = backend.configure(spec)
-        chosen = list(partitioners) if partitioners is not None else backend.partitioners(options)
-        state = ExportState(spec, progress, list(transform_passes), backend, options, chosen, stack, dump)
+        given = list(partitioners) if partitioners is not None else None
+        state = ExportState(spec, progress, list(transform_passes), backend, given, stack, dump)
         state.check_package = check_package
         sampler = stack.enter_context(PeakSampler())
         for run in STEPS:

@@ -72,6 +72,9 @@ class Backend:
     manifest_entry: Callable[[BackendOptions], dict] = field(default=lambda options: {})
     devices: tuple[str, ...] = ("cpu",)
     configure: Callable[[Any], BackendOptions] = field(default=lambda spec: BackendOptions(spec.device))
+    # the processes its compile hook will run at once, known from the spec alone: the memory
+    # plan counts them before configure runs (configure's compile_workers must agree)
+    compile_workers: Callable[[Any], int] = field(default=lambda spec: 0)
     check_spec: Callable[[Any], None] = _no_check
     # passes its compile hook runs on each method before compiling it, never on
     # the stored program (which stays on the package's operator allowlist);

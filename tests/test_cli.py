@@ -150,7 +150,7 @@ def test_export_report_for_ci(tmp_path):
     info = json.loads(report.read_text())
     assert info["ok"] is True and info["error"] is None and info["command"][0] == "kvexport"  # sys.argv: pytest's here
     steps = [s["step"] for s in info["steps"]]
-    assert steps[:2] == ["memory plan", "load"] and steps[-1] == "commit" and all(s["peak_rss_mb"] > 0 for s in info["steps"])
+    assert steps[:3] == ["memory plan", "backend options", "load"] and steps[-1] == "commit" and all(s["peak_rss_mb"] > 0 for s in info["steps"])
     assert 0 < info["memory"]["peak_private_mb"] <= info["memory"]["peak_rss_mb"]
     assert info["sizes"]["package_bytes"] > info["sizes"]["weights_bytes"] > 0
     assert info["verification"].startswith("verified: 3 probes")

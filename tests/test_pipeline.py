@@ -10,7 +10,7 @@ import torch
 import torch.fx
 from safetensors.torch import load_file
 
-from helpers import TINY_LAYOUT, export_tiny, hf_greedy, prompt_of
+from helpers import PROGRESS, TINY_LAYOUT, export_tiny, hf_greedy, prompt_of
 from kvexport.exporter.sources.models import load_model
 from kvexport.exporter.pipeline import export_package, reserve_constant_names
 from kvexport.exporter.spec import build_spec
@@ -325,6 +325,8 @@ def test_a_backend_registers_from_outside_the_project(tmp_path, tiny_package):
         del _BACKENDS["toy"]
     manifest = json.loads((result.path / "manifest.json").read_text())
     assert manifest["backend"] == {"id": "toy", "marker": 3} and configured == ["toy"]
+    # no compile_workers hook: the memory plan counts its workers again once configure has decided them
+    assert any("3 compile worker(s)" in line for line in PROGRESS[str(tmp_path / "pkg")])
     assert compiled == [(sorted(manifest["methods"]), 3)]
     [shown] = (tmp_path / "dump" / "forward_1").glob("*-compile_passes.txt")
     assert "aten.neg.default" in shown.read_text()
@@ -336,7 +338,7 @@ def test_steps_are_one_list():
     from kvexport.exporter import pipeline
 
     names = [step.title for step in pipeline.STEPS]
-    assert names[:8] == ["memory plan", "load", "reference (float)", "quantize", "reference", "build forward", "plan", "trace"]
+    assert names[:9] == ["memory plan", "backend options", "load", "reference (float)", "quantize", "reference", "build forward", "plan", "trace"]
     assert names[-1] == "commit"
     assert [s.dump for s in pipeline.STEPS if s.dump] == [
         "trace", "transform", "fuse", "backend_passes", "partition_lower", "reserve_constant_names"

@@ -45,10 +45,13 @@ def _configure(spec) -> AotiOptions:
         from kvexport.partitioners.aoti.kernels.build import archive_dir
 
         archive_dir()  # built (once per machine) before any work, so a missing compiler fails first
-    # one compile process per core, and no more than there are methods
-    methods = len(spec.forward_sizes) + 1
-    workers = spec.compile_workers or min(os.cpu_count() or 1, methods)
-    return AotiOptions(spec.device, workers, int8_products=bool(packed), kernel_rows=rows, packed_rows=packed)
+    return AotiOptions(spec.device, _compile_workers(spec), int8_products=bool(packed), kernel_rows=rows,
+                       packed_rows=packed)
+
+
+def _compile_workers(spec) -> int:
+    """One compile process per core, and no more than there are methods."""
+    return spec.compile_workers or min(os.cpu_count() or 1, len(spec.forward_sizes) + 1)
 
 
 def _partitioners(options: AotiOptions) -> list:
@@ -95,5 +98,6 @@ def _compile_passes(options: AotiOptions) -> list:
 
 register_backend(
     Backend("aoti", "every method compiled ahead of time with AOTInductor", _partitioners, _compile, _manifest_entry,
-            devices=("cpu", "cuda"), configure=_configure, check_spec=_check_spec, compile_passes=_compile_passes)
+            devices=("cpu", "cuda"), configure=_configure, check_spec=_check_spec, compile_passes=_compile_passes,
+            compile_workers=_compile_workers)
 )
