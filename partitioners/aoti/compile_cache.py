@@ -17,6 +17,7 @@ cache directory / compiled). The oldest entries go beyond LIMIT_BYTES."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import json
@@ -81,9 +82,11 @@ def key(job, configs: dict) -> str:
     return digest.hexdigest()
 
 
+@functools.cache
 def _code_digest() -> str:
     """kvexport's code that shapes a compile: the graph reader (contract),
-    the passes and the backend with its kernels."""
+    the passes and the backend with its kernels. Read once a process, not
+    once a method."""
     import kvexport.contract
     import kvexport.partitioners
     import kvexport.passes
