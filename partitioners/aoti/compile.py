@@ -119,6 +119,14 @@ def compile_one(job: CompileJob) -> tuple[str, float, dict[str, int], bool]:
             if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "kvexport":
                 name = node.target._schema.name.split("::")[-1]
                 calls[name] = calls.get(name, 0) + 1
+    if job.device == "cpu":
+        # inductor checks which instruction sets the compiler can build by
+        # compiling a test library for each (about 2 s apiece); in inductor's
+        # own cache folder they compile once a machine, in the method's fresh
+        # one below once a method
+        from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+        valid_vec_isa_list()
     with compile_directory(job.method) as directory, temporary_cache_dir(str(directory)), _library_path(job.kernel_archive), \
             _threads(job.threads):
         torch._inductor.aoti_compile_and_package(program, package_path=str(job.output), inductor_configs=configs_of(job))
