@@ -66,6 +66,13 @@ def pytest_xdist_make_scheduler(config, log):
     class GroupScheduling(LoadScopeScheduling):
         groups: dict[str, str] | None = None
 
+        def __init__(self, config, log=None):
+            super().__init__(config, log)
+            # xdist orders groups by test count unless told not to: that sent
+            # the SmolLM2 module (six tests, two minutes) last, alone on one
+            # worker; the collection's order (the longest groups first) is kept
+            self.config.option.loadscopereorder = False
+
         def _split_scope(self, nodeid: str) -> str:
             if self.groups is None:
                 path = Path(os.environ.get(GROUPS_FILE, ""))

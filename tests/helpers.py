@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvexport.cli.main import _check_package
@@ -10,6 +11,12 @@ from kvexport.exporter.spec import build_spec
 from kvexport.runtime.verify import hf_greedy  # noqa: F401  (re-exported for the tests)
 
 TINY = ("tiny-llama", "tiny-qwen2")
+# the runtime tests run both tiny models on the portable backend and one on
+# the aoti backend (tiny-qwen2: biased projections; a compiled package costs
+# half a minute): `@pytest.mark.parametrize("model, backend", MODEL_BACKENDS,
+# indirect=["backend"])`
+AOTI_MODEL = "tiny-qwen2"
+MODEL_BACKENDS = [(model, "portable") for model in TINY] + [pytest.param(AOTI_MODEL, "aoti", marks=pytest.mark.compile)]
 # small enough to export fast (each method is a trace), wide enough that a
 # prompt crosses every kind of method: one row, several, forward_others
 TINY_LAYOUT = dict(forward_sizes="1,4", max_step_tokens=24, max_cells=512)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from helpers import prompt_of
+from helpers import AOTI_MODEL, prompt_of
 from kvexport.cli.main import main
 from kvexport.runtime import PackageError, generate, load
 from kvexport.contract.validate import validate_package
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.compile  # every test here compiles or loads an aoti pa
 
 @pytest.fixture(scope="module")
 def aoti_package(tiny_package):
-    return tiny_package("tiny-qwen2", "aoti")
+    return tiny_package(AOTI_MODEL, "aoti")
 
 
 def copy_with(tmp_path, source, edit=None):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import TINY, prompt_of
+from helpers import AOTI_MODEL, MODEL_BACKENDS, prompt_of
 from kvexport.runtime import RuntimeRefusal, StepEntry, generate
 from kvexport.contract.errors import CapacityError
 
@@ -59,7 +59,7 @@ class _Proxy:
         return self.method(name)(*args)
 
 
-@pytest.mark.parametrize("model", TINY)
+@pytest.mark.parametrize("model, backend", MODEL_BACKENDS, indirect=["backend"])
 def test_four_sessions_batched_equal_alone(model, tiny_runtime):
     prompts = [prompt_of(n, seed=n) for n in (3, 9, 1, 30)]
     alone = [solo(tiny_runtime, model, p, 20) for p in prompts]
@@ -71,7 +71,7 @@ def test_four_sessions_batched_equal_alone(model, tiny_runtime):
     assert {"forward_others", "forward_4"} <= {name for name, _ in log.calls}
 
 
-@pytest.mark.parametrize("model", TINY)
+@pytest.mark.parametrize("model, backend", MODEL_BACKENDS, indirect=["backend"])
 def test_decode_and_wide_prompt_in_one_batch(model, tiny_runtime):
     a_prompt, b_prompt = prompt_of(6, seed=10), prompt_of(57, seed=11)  # 57 > max_step_tokens 24
     a_alone = solo(tiny_runtime, model, a_prompt, 12)
@@ -88,7 +88,7 @@ def test_decode_and_wide_prompt_in_one_batch(model, tiny_runtime):
     assert [int(lb.argmax())] + rest[1] == b_alone
 
 
-@pytest.mark.parametrize("model", TINY)
+@pytest.mark.parametrize("model, backend", MODEL_BACKENDS, indirect=["backend"])
 def test_every_forward_size_with_padding(model, tiny_runtime):
     """Packed widths 1..24 and 31: each of the package's static sizes runs,
     padded where the width is not a size, and forward_others takes the wide
@@ -110,7 +110,7 @@ def test_every_forward_size_with_padding(model, tiny_runtime):
     assert all((name, int(name.split("_")[1])) in widths_fed for name in static)
 
 
-@pytest.mark.parametrize("model", TINY)
+@pytest.mark.parametrize("model, backend", MODEL_BACKENDS, indirect=["backend"])
 @pytest.mark.parametrize("prompt_len", [5, 50])  # 50 spans several forwards
 def test_clone_continues_as_source(model, prompt_len, tiny_runtime):
     prompt = prompt_of(prompt_len, seed=prompt_len + 100)
@@ -124,7 +124,7 @@ def test_clone_continues_as_source(model, prompt_len, tiny_runtime):
     assert out[0] == out[1] == solo(tiny_runtime, model, prompt, 16)[1:]
 
 
-@pytest.mark.parametrize("model", TINY)
+@pytest.mark.parametrize("model, backend", MODEL_BACKENDS, indirect=["backend"])
 def test_clone_upto_rewinds(model, tiny_runtime):
     prompt = prompt_of(12, seed=5)
     runtime = tiny_runtime(model)
@@ -146,7 +146,7 @@ def assert_same_state(before, after):
     assert all(torch.equal(x, y) for x, y in zip(before[3], after[3]))
 
 
-@pytest.mark.parametrize("model", TINY)
+@pytest.mark.parametrize("model, backend", MODEL_BACKENDS, indirect=["backend"])
 def test_refused_batch_changes_nothing(model, tiny_runtime):
     prompt = prompt_of(9, seed=7)
     want = solo(tiny_runtime, model, prompt, 10)
@@ -176,7 +176,7 @@ def test_refused_batch_changes_nothing(model, tiny_runtime):
 
 
 def test_context_limit_refused(tiny_runtime):
-    runtime = tiny_runtime("tiny-llama")
+    runtime = tiny_runtime(AOTI_MODEL)
     context = runtime.cache.max_context_len
     s = runtime.new_session()
     with pytest.raises(CapacityError, match="context"):
@@ -184,7 +184,7 @@ def test_context_limit_refused(tiny_runtime):
     assert s.length == 0
 
 
-@pytest.mark.parametrize("model", TINY)
+@pytest.mark.parametrize("model, backend", MODEL_BACKENDS, indirect=["backend"])
 def test_released_cells_never_leak(model, tiny_runtime):
     runtime = tiny_runtime(model)
     old = runtime.new_session()
@@ -201,20 +201,20 @@ def test_released_cells_never_leak(model, tiny_runtime):
 
 def test_generate_batched_equals_alone(tiny_runtime):
     prompts = [prompt_of(n, seed=n + 50) for n in (2, 15, 33, 4, 8)]
-    together = generate(tiny_runtime("tiny-qwen2"), prompts, 16)
-    alone = [generate(tiny_runtime("tiny-qwen2"), [p], 16)[0] for p in prompts]
+    together = generate(tiny_runtime(AOTI_MODEL), prompts, 16)
+    alone = [generate(tiny_runtime(AOTI_MODEL), [p], 16)[0] for p in prompts]
     assert together == alone
 
 
 def test_generate_refuses_what_cannot_fit(tiny_runtime):
-    runtime = tiny_runtime("tiny-llama", max_cells=64)
+    runtime = tiny_runtime(AOTI_MODEL, max_cells=64)
     with pytest.raises(CapacityError, match="cells"):
         generate(runtime, [prompt_of(40, seed=1), prompt_of(30, seed=2)], 4)
     assert runtime.cache.next_pos == {}
 
 
 def test_generate_releases_every_session_when_interrupted(tiny_runtime):
-    runtime = tiny_runtime("tiny-llama")
+    runtime = tiny_runtime(AOTI_MODEL)
     calls = []
 
     def interrupt(i, token):
@@ -228,7 +228,7 @@ def test_generate_releases_every_session_when_interrupted(tiny_runtime):
 
 
 def test_positions_must_be_ints(tiny_runtime):
-    runtime = tiny_runtime("tiny-llama")
+    runtime = tiny_runtime(AOTI_MODEL)
     s = runtime.new_session()
     runtime.step([StepEntry(s, [5, 6, 7, 8])])
     for bad in (2.0, True, "2"):
@@ -242,7 +242,7 @@ def test_positions_must_be_ints(tiny_runtime):
 def test_token_ids_of_other_integer_types(tiny_runtime):
     import numpy as np
 
-    runtime = tiny_runtime("tiny-llama")
+    runtime = tiny_runtime(AOTI_MODEL)
     s = runtime.new_session()
     [a] = runtime.step([StepEntry(s, [np.int64(5), torch.tensor(6)])])
     runtime.release(s)  # the next session gets the same cells: the same sums, bit for bit
@@ -253,7 +253,7 @@ def test_token_ids_of_other_integer_types(tiny_runtime):
         runtime.step([StepEntry(other, [5.0])])
 
 
-@pytest.mark.parametrize("model", TINY)
+@pytest.mark.parametrize("model, backend", MODEL_BACKENDS, indirect=["backend"])
 def test_a_step_reads_its_own_cells_not_those_others_keep(model, tiny_runtime):
     """A session kept alive below a decoding one (as a prefix cache keeps
     sessions) is moved out of the way: the decoding session's calls read

@@ -21,6 +21,7 @@ import torch
 from kvexport.contract import package as package_module
 from kvexport.contract.errors import PackageError
 from kvexport.contract.package import dump_manifest, sha256_file
+from helpers import AOTI_MODEL
 from kvexport.runtime import generate, load
 
 
@@ -251,7 +252,7 @@ def test_json_values_are_counted_before_parsing(tmp_path, tiny_package, monkeypa
 
 @pytest.fixture(scope="module")
 def aoti_package(tiny_package):
-    return tiny_package("tiny-llama", "aoti")
+    return tiny_package(AOTI_MODEL, "aoti")
 
 
 @pytest.fixture

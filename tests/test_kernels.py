@@ -354,7 +354,7 @@ def test_the_signatures_are_declared_once_and_compiled_against():
 # ---------------------------------------------------------------- build
 def test_a_failed_build_names_the_way_out(tmp_path, monkeypatch):
     monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(build, "_commands", lambda kind, isa, out: [["false"]])
+    monkeypatch.setattr(build, "_commands", lambda kind, isa, out, objects: [["false"]])
     with pytest.raises(ExportError, match="--row-kernel off"):
         build.archive_dir()
     assert not [p for p in (tmp_path / "kernels").iterdir()]  # nothing half-built is kept
@@ -365,7 +365,7 @@ def test_auto_falls_back_to_the_blas_when_the_kernel_cannot_be_built(tmp_path, m
 
     monkeypatch.setenv("KVEXPORT_CACHE_DIR", str(tmp_path))
     builds = []
-    monkeypatch.setattr(build, "_commands", lambda kind, isa, out: builds.append(kind) or [["false"]])
+    monkeypatch.setattr(build, "_commands", lambda kind, isa, out, objects: builds.append(kind) or [["false"]])
     monkeypatch.setattr(probe, "_UNBUILT", set())
     build._load_math.cache_clear()
     try:

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import TINY, hf_greedy, prompt_of
+from helpers import MODEL_BACKENDS, hf_greedy, prompt_of
 from kvexport.runtime import generate
 from kvexport.runtime.verify import hf_logits, method_logits
 
 
-@pytest.mark.parametrize("model", TINY)
+@pytest.mark.parametrize("model, backend", MODEL_BACKENDS, indirect=["backend"])
 @pytest.mark.parametrize("prefix_len", [0, 11])
 def test_forward_logits_match_hf(model, prefix_len, tiny_runtime, hf_model):
     """Every method of the package (its static sizes and forward_others),
@@ -26,7 +26,7 @@ def test_forward_logits_match_hf(model, prefix_len, tiny_runtime, hf_model):
         assert (got - want).abs().max().item() <= 1e-4, method
 
 
-@pytest.mark.parametrize("model", TINY)
+@pytest.mark.parametrize("model, backend", MODEL_BACKENDS, indirect=["backend"])
 @pytest.mark.parametrize("prompt_len", [1, 5, 8, 17, 40])  # 40 > max_step_tokens (24): several forwards
 def test_greedy_matches_hf_generate(model, prompt_len, tiny_runtime, hf_model):
     prompt = prompt_of(prompt_len, seed=prompt_len)

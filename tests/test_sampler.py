@@ -7,7 +7,7 @@ import torch
 
 from kvexport.runtime import SamplingConfig, generate, sample, sample_argmax
 from kvexport.contract.sampler import params_row
-from helpers import prompt_of
+from helpers import AOTI_MODEL, prompt_of
 
 CASES = [
     SamplingConfig(temperature=0.0),
@@ -25,7 +25,7 @@ def rows_for(config: SamplingConfig, seeds: range) -> torch.Tensor:
 
 @pytest.mark.parametrize("config", CASES, ids=lambda c: f"t{c.temperature}-k{c.top_k}-p{c.top_p}")
 def test_package_sampler_equals_host(config, tiny_runtime):
-    runtime = tiny_runtime("tiny-llama")
+    runtime = tiny_runtime(AOTI_MODEL)
     logits = torch.randn(64, runtime.vocab_size, generator=torch.Generator().manual_seed(3)) * 3
     params = rows_for(config, range(64))
     host = sample(logits, params)
@@ -38,7 +38,7 @@ def test_package_sampler_equals_host(config, tiny_runtime):
 
 
 def test_argmax_method_equals_host(tiny_runtime):
-    runtime = tiny_runtime("tiny-qwen2")
+    runtime = tiny_runtime(AOTI_MODEL)
     logits = torch.randn(7, runtime.vocab_size)
     assert torch.equal(runtime.package.method("sample_argmax")(logits), sample_argmax(logits))
 
@@ -64,13 +64,13 @@ def test_coin_edges_clamp_to_kept_tokens():
 @pytest.mark.parametrize("config", CASES[1:4], ids=["temp", "topk", "topp"])
 def test_generate_same_tokens_on_device_and_host(config, tiny_runtime):
     prompts = [prompt_of(n, seed=n) for n in (3, 12)]
-    on_device = generate(tiny_runtime("tiny-llama"), prompts, 20, config, seed=7)
-    on_host = generate(tiny_runtime("tiny-llama"), prompts, 20, config, seed=7, on_device_sampler=False)
-    greedy = generate(tiny_runtime("tiny-llama"), prompts, 20)
+    on_device = generate(tiny_runtime(AOTI_MODEL), prompts, 20, config, seed=7)
+    on_host = generate(tiny_runtime(AOTI_MODEL), prompts, 20, config, seed=7, on_device_sampler=False)
+    greedy = generate(tiny_runtime(AOTI_MODEL), prompts, 20)
     assert on_device == on_host
     assert on_device != greedy
     # a prompt's tokens do not depend on its batch neighbours
-    assert generate(tiny_runtime("tiny-llama"), prompts[:1], 20, config, seed=7)[0] == on_device[0]
+    assert generate(tiny_runtime(AOTI_MODEL), prompts[:1], 20, config, seed=7)[0] == on_device[0]
 
 
 def test_invalid_sampling_refused():

@@ -13,6 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from helpers import AOTI_MODEL
 from kvexport.cli.main import main
 from kvexport.runtime import PackageError, generate, load
 from kvexport.contract.package import dump_manifest, sha256_file
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.compile  # the trust decision is about an aoti package'
 
 @pytest.fixture(scope="module")
 def aoti_package(tiny_package):
-    return tiny_package("tiny-llama", "aoti")
+    return tiny_package(AOTI_MODEL, "aoti")
 
 
 @pytest.fixture

@@ -9,6 +9,8 @@ written in vec.h's vocabulary.
 
 Builds, each kept in kvexport's cache directory under a key of the sources,
 the flags and the compiler:
+- `objects`: the math compiled once (int8_linear.cpp twice, below), which
+  the three builds below link;
 - `archive`: a static library of the kernels and their C shims (shims.cpp),
   which AOTInductor links into each compiled method (`custom_op_libs`), so a
   package's library carries them and needs nothing of kvexport at run time;
@@ -235,27 +237,30 @@ def _units(isa: str | None) -> list[tuple[Path, list[str], str]]:
     return [*((source, [], source.stem) for source in MATH), (HERE / "int8_linear.cpp", ["-DKV_VNNI", vnni], "int8_linear_vnni")]
 
 
-def _commands(kind: str, isa: str | None, out: Path) -> list[list[str]]:
-    """The compiler runs that build `kind`; out holds kernels.h and the result."""
+def _commands(kind: str, isa: str | None, out: Path, objects: Path | None) -> list[list[str]]:
+    """The compiler runs that build `kind`; out holds kernels.h and the
+    result. The math compiles once per instruction set (`objects`); the
+    archive, the shared library and the shims library link those objects."""
     import torch.utils.cpp_extension
     from torch._inductor.cpp_builder import get_cpp_compiler
 
     compiler = get_cpp_compiler()
     flags = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", *_arch_flags(isa), f"-I{out}"]
     units = _units(isa)
-    if kind != "shared":  # the shims, against torch's headers
-        flags += ["-DKVEXPORT_AOTI_SHIM", *(f"-I{path}" for path in torch.utils.cpp_extension.include_paths())]
-        units.append((SHIMS, [], SHIMS.stem))
-    objects = [str(out / f"{name}.o") for _, _, name in units]
-    compiles = [[compiler, *flags, *extra, "-c", str(source), "-o", obj] for (source, extra, _), obj in zip(units, objects)]
-    if kind == "archive":
-        return [*compiles, ["ar", "rcs", str(out / f"lib{LIBRARY}.a"), *objects]]
+    if kind == "objects":
+        return [[compiler, *flags, *extra, "-c", str(source), "-o", str(out / f"{name}.o")] for source, extra, name in units]
+    math = [str(objects / f"{name}.o") for _, _, name in units]
     if kind == "shared":
-        return [*compiles, [compiler, *flags, "-shared", *objects, "-o", str(out / f"lib{LIBRARY}.so")]]
+        return [[compiler, *flags, "-shared", *math, "-o", str(out / f"lib{LIBRARY}.so")]]
+    # the shims, against torch's headers
+    shim_flags = ["-DKVEXPORT_AOTI_SHIM", *(f"-I{path}" for path in torch.utils.cpp_extension.include_paths())]
+    shims = [compiler, *flags, *shim_flags, "-c", str(SHIMS), "-o", str(out / f"{SHIMS.stem}.o")]
+    if kind == "archive":
+        return [shims, ["ar", "rcs", str(out / f"lib{LIBRARY}.a"), *math, str(out / f"{SHIMS.stem}.o")]]
     libraries = torch.utils.cpp_extension.library_paths()
-    return [*compiles, [compiler, *flags, "-shared", *objects, *(f"-L{p}" for p in libraries),
-                        *(f"-Wl,-rpath,{p}" for p in libraries), "-ltorch", "-ltorch_cpu", "-lc10",
-                        "-o", str(out / f"lib{LIBRARY}_shims.so")]]
+    return [shims, [compiler, *flags, "-shared", *math, str(out / f"{SHIMS.stem}.o"), *(f"-L{p}" for p in libraries),
+                    *(f"-Wl,-rpath,{p}" for p in libraries), "-ltorch", "-ltorch_cpu", "-lc10",
+                    "-o", str(out / f"lib{LIBRARY}_shims.so")]]
 
 
 @functools.cache
@@ -271,7 +276,8 @@ def _build(kind: str, isa: str | None = None) -> Path:
     if not supported():
         raise ExportError(f"kvexport's kernels need an x86 CPU with AVX2 or AVX-512; inductor compiles for "
                           f"{_isa() or 'no vector ISA'} here")
-    probe = _commands(kind, isa, Path("OUT"))
+    objects = _build("objects", isa) if kind != "objects" else None
+    probe = _commands(kind, isa, Path("OUT"), objects)
     key = hashlib.sha256("\0".join([*(f.read_text() for f in FILES), repr(probe), compiler_version(probe[0][0])]).encode())
     root = cache_dir() / "kernels"
     final = root / f"{kind}-{isa or _isa()}-{key.hexdigest()[:16]}"
@@ -281,7 +287,7 @@ def _build(kind: str, isa: str | None = None) -> Path:
     work = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=root))
     try:
         (work / "kernels.h").write_text(header())
-        for command in _commands(kind, isa, work):
+        for command in _commands(kind, isa, work, objects):
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode:
                 raise ExportError(f"building kvexport's kernels failed ({' '.join(command[:2])} ...):\n{done.stderr[-2000:]}"
