@@ -341,6 +341,9 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--json", "as_json", is_flag=True, help='Print {"outputs": [...]} instead of streaming text.')
 @click.option("--trust-native-code", is_flag=True, help="Run an aoti package's native code this once though it is not in the trust store.")
 @click.option("--expect-digest", metavar="DIGEST", help="Load only the package whose manifest digest is DIGEST (and trust its native code).")
+@click.option("--speculative", type=click.Choice(["off", "lookup", "draft"]), help="Speculative decoding: draft tokens by prompt lookup (n-grams of the text so far) or with --draft's package, and check them in one step. Greedy tokens are unchanged. Default: draft with --draft, else off.")
+@click.option("--draft", "draft_package", type=click.Path(path_type=Path), help="A draft package sharing the tokenizer (a smaller model, or the same one quantized): it proposes tokens the package checks.")
+@click.option("--max-draft", type=int, default=8, show_default=True, help="Most tokens a session drafts per step (it adapts to how many are kept).")
 def generate(
     package: Path,
     prompts: tuple[str, ...],
@@ -356,16 +359,29 @@ def generate(
     as_json: bool,
     trust_native_code: bool,
     expect_digest: str | None,
+    speculative: str | None,
+    draft_package: Path | None,
+    max_draft: int,
 ) -> None:
     """Generate from PACKAGE for one or more prompts, batched as concurrent sessions."""
     from kvexport.runtime import SamplingConfig, load
     from kvexport.runtime import generate as run_generate
+    from kvexport.runtime.speculative import Speculation
     from kvexport.runtime.text import TextStream
 
     if not prompts and not prompt_ids:
         raise KvexportError("nothing to generate for: pass --prompt TEXT or --prompt-ids 1,2,3")
+    mode = speculative or ("draft" if draft_package is not None else "off")
+    if mode == "draft" and draft_package is None:
+        raise KvexportError("--speculative draft needs a draft package: add --draft PKG")
+    if mode != "draft" and draft_package is not None:
+        raise KvexportError(f"--draft drafts only with --speculative draft (not {mode})")
     options = {"max_cells": max_cells} if max_cells is not None else {}
     runtime = load(package, trust_native_code=trust_native_code, expect_digest=expect_digest, **options)
+    speculation = None
+    if mode != "off":
+        draft = load(draft_package, trust_native_code=trust_native_code) if draft_package is not None else None
+        speculation = Speculation(mode, draft=draft, max_draft=max_draft)
     text = runtime.package.tokenizer() if prompts or runtime.package.manifest.get("tokenizer") else None
     ids = [text.encode(p, chat=not raw) for p in prompts] + [_parse_ids(p) for p in prompt_ids]
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -375,13 +391,18 @@ def generate(
         if stream is not None:
             click.echo(escape_lines(stream.push(token)), nl=False)  # the package's tokenizer spells it
 
-    outputs = run_generate(runtime, ids, max_new_tokens, sampling, seed, on_token, on_device_sampler=not host_sampler)
+    outputs = run_generate(runtime, ids, max_new_tokens, sampling, seed, on_token, on_device_sampler=not host_sampler,
+                           speculation=speculation)
     if as_json:
         records = [
             {"prompt_ids": p, "generated_ids": g, "text": text.decode(g) if text is not None else None}
             for p, g in zip(ids, outputs)
         ]
-        click.echo(json.dumps({"outputs": records}))
+        report: dict = {"outputs": records}
+        if speculation is not None:
+            stats = speculation.stats
+            report["speculation"] = {"mode": mode, "drafted": stats.drafted, "accepted": stats.accepted}
+        click.echo(json.dumps(report))
     elif stream is not None:
         click.echo()
     else:

@@ -31,6 +31,20 @@ def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     logits = logits.float()
     temperature, top_p, top_k, coin = params.unbind(-1)  # each [R]
     greedy = temperature <= 0
+    kept, order, keep = _kept(logits, temperature, top_p, top_k)
+    cumulative = torch.cumsum(kept, dim=-1)
+    index = (cumulative <= coin.unsqueeze(-1)).sum(dim=-1)
+    last_kept = keep.sum(dim=-1) - 1
+    index = torch.minimum(index, last_kept)
+    drawn = torch.gather(order, -1, index.unsqueeze(-1)).squeeze(-1)
+    return torch.where(greedy, torch.argmax(logits, dim=-1), drawn)
+
+
+def _kept(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor):
+    """(kept, order, keep), each [R, V]: the probabilities a row draws from,
+    sorted (descending, stable) with the filtered ones zero and the rest
+    renormalised; the token id of each; which are kept."""
+    greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
     probs = torch.softmax(scaled, dim=-1)
     sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [R, V]
@@ -43,13 +57,31 @@ def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     keep_p = mass_before < top_p.unsqueeze(-1)
     keep = torch.where(use_k, keep_k, torch.where(use_p, keep_p, torch.ones_like(keep_k)))
     kept = sorted_probs * keep
-    kept = kept / kept.sum(dim=-1, keepdim=True)
-    cumulative = torch.cumsum(kept, dim=-1)
-    index = (cumulative <= coin.unsqueeze(-1)).sum(dim=-1)
-    last_kept = keep.sum(dim=-1) - 1
-    index = torch.minimum(index, last_kept)
-    drawn = torch.gather(order, -1, index.unsqueeze(-1)).squeeze(-1)
-    return torch.where(greedy, torch.argmax(logits, dim=-1), drawn)
+    return kept / kept.sum(dim=-1, keepdim=True), order, keep
+
+
+def probabilities(logits: torch.Tensor, config: "SamplingConfig") -> torch.Tensor:
+    """logits [R, V] -> [R, V] float32: the distribution `sample` draws each
+    row from under config (greedy: all on the argmax), in vocabulary order.
+    Speculative decoding's accept/reject rule reads it."""
+    logits = logits.float()
+    if config.greedy:
+        return torch.nn.functional.one_hot(torch.argmax(logits, dim=-1), logits.shape[-1]).float()
+    rows = logits.shape[0]
+    temperature = torch.full((rows,), float(config.temperature))
+    kept, order, _ = _kept(logits, temperature, torch.full((rows,), float(config.top_p)), torch.full((rows,), float(config.top_k)))
+    return torch.zeros_like(kept).scatter_(-1, order, kept)
+
+
+def draw(p: torch.Tensor, coin: float) -> int:
+    """The token a coin in [0, 1) picks from the distribution p [V], walking
+    the tokens as `sample` does (most likely first, ties by id) and never
+    past the last one with mass: draw(probabilities(l, c)[0], coin) is
+    sample's token for that coin."""
+    sorted_p, order = torch.sort(p, descending=True, stable=True)
+    index = int((torch.cumsum(sorted_p, dim=0) <= coin).sum())
+    index = min(index, int((sorted_p > 0).sum()) - 1)
+    return int(order[index])
 
 
 def check_sampled(method: str, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:

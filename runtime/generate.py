@@ -12,6 +12,7 @@ from kvexport.contract.errors import CapacityError, KvexportError
 from kvexport.runtime.offgraph import OffgraphKVManager, StepEntry, check_token_ids
 from kvexport.contract.sampler import SamplingConfig, params_row
 from kvexport.runtime.single_sequence import SingleSequenceManager
+from kvexport.runtime.speculative import Speculation, generate_speculative
 
 TokenCallback = Callable[[int, int], None]  # (prompt index, token id)
 
@@ -25,18 +26,26 @@ def generate(
     on_token: TokenCallback | None = None,
     on_device_sampler: bool = True,
     stop_at_eos: bool = True,
+    speculation: Speculation | None = None,
 ) -> list[list[int]]:
     """Generates for every prompt at once; returns the new ids per prompt, in
     prompt order (an EOS id that ended a sequence is included, as HF does).
     Prompt i samples with its own generator seeded `seed + i`, so its tokens
-    do not depend on the other prompts."""
+    do not depend on the other prompts. With `speculation` each session
+    drafts tokens and checks them in one step (runtime/speculative.py): the
+    same tokens at temperature 0, the same distribution otherwise."""
     sampling.validate()
     _check_seed(seed, len(prompts))
     if max_new_tokens < 0:
         raise KvexportError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    if speculation is not None:
+        speculation.check(manager)
     if not manager.batches_sessions:
         return _generate_one_at_a_time(manager, prompts, max_new_tokens, sampling, seed, on_token, stop_at_eos)
     _check_admission(manager, prompts, max_new_tokens)
+    if speculation is not None:
+        return generate_speculative(manager, prompts, max_new_tokens, sampling, seed, on_token, on_device_sampler,
+                                    stop_at_eos, speculation)
     outputs: list[list[int]] = [[] for _ in prompts]
     if max_new_tokens == 0:
         return outputs

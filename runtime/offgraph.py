@@ -41,9 +41,14 @@ class Session:
 
 @dataclass
 class StepEntry:
+    """A session's tokens in one step. With wants_logits the step returns the
+    logits of its last token ([V]), or of its last `rows` tokens ([rows, V])
+    when rows > 1: speculative decoding checks its drafts so."""
+
     session: Session
     tokens: Sequence[int]
     wants_logits: bool = True
+    rows: int = 1
 
 
 @dataclass(frozen=True)
@@ -142,25 +147,27 @@ class OffgraphKVManager(IOManager):
             check_token_ids(entry.tokens, self.vocab_size, repr(entry.session))
             if len(entry.tokens) == 0:
                 raise RuntimeRefusal(f"{entry.session!r}: a step entry needs at least one token")
+            if isinstance(entry.rows, bool) or not isinstance(entry.rows, int) or not 1 <= entry.rows <= len(entry.tokens):
+                raise RuntimeRefusal(f"{entry.session!r}: rows must be 1..{len(entry.tokens)} (its tokens), got {entry.rows!r}")
             counts[entry.session.seq] = len(entry.tokens)
         self.cache.check_step(counts)
         return counts
 
     @torch.inference_mode()
     def step(self, entries: Sequence[StepEntry]) -> list[torch.Tensor | None]:
-        """Runs one batch. Returns, per entry, the logits [V] (float32) of its
-        last token if it wants them, else None. A refused batch raises
-        before any state changes."""
+        """Runs one batch. Returns, per entry, the logits (float32) of its
+        last token ([V]) or last `rows` tokens ([rows, V]) if it wants them,
+        else None. A refused batch raises before any state changes."""
         counts = self._validate(entries)
         self.cache.make_room(set(counts), sum(counts.values()))
         seqs, token_ids, selected = [], [], []
         for entry in entries:
             seqs += [entry.session.seq] * len(entry.tokens)
             token_ids += [operator.index(t) for t in entry.tokens]
-            selected.append(len(token_ids) - 1 if entry.wants_logits else None)
+            selected.append(range(len(token_ids) - entry.rows, len(token_ids)) if entry.wants_logits else None)
         with self.cache.placed(seqs) as (cells, positions):
-            rows = self._run(torch.tensor(token_ids), positions, cells, seqs, [s for s in selected if s is not None])
-        return [None if s is None else rows[s] for s in selected]
+            rows = self._run(torch.tensor(token_ids), positions, cells, seqs, [i for s in selected if s is not None for i in s])
+        return [None if s is None else rows[s[0]] if len(s) == 1 else torch.stack([rows[i] for i in s]) for s in selected]
 
     def _run(
         self,

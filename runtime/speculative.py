@@ -1,0 +1,337 @@
+"""Speculative decoding through the off-graph contract's static methods.
+
+A step over several of a session's tokens costs about what a step over one
+costs while reading the weights dominates it. So each decoding session
+drafts a few tokens cheaply and one step checks them all: the session's
+entry is its sampled token followed by the drafts, with a selected row at
+every position. The session keeps the drafts the target agrees with and the
+target's own next token, and rewinds the cells of the rest.
+
+Drafts come from
+- prompt lookup: the longest n-gram (up to `ngram` tokens) that ends the
+  session's text is looked up earlier in that text, and what followed its
+  latest occurrence is proposed;
+- a draft package: a cheaper package with the same tokenizer (a smaller
+  model, or the same one quantized), whose sessions advance and rewind with
+  the target's.
+
+At temperature 0 a session emits exactly the tokens greedy decoding gives.
+With sampling, a drafted token d at a position where the target draws from p
+(after temperature, top-k and top-p, as the package's sampler does) and the
+draft drew from q is kept with probability min(1, p(d) / q(d)); the first one
+refused is replaced by a draw from max(p - q, 0) renormalised, and when all
+are kept one more token is drawn from p (Leviathan et al., 2023), so every
+token is distributed as the target's. Prompt lookup's q is all on d.
+
+How far a session drafts adapts to how many of its drafts were kept: two
+more after a round that kept them all, one fewer after one that refused any,
+between 1 and `max_draft`. One step never grows wider than `step_tokens`
+(default: the package's widest static method) for drafts: when the decoding
+sessions fill it, they decode plainly, so speculation costs a busy batch
+nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from kvexport.contract.errors import CapacityError, KvexportError
+from kvexport.contract.sampler import SamplingConfig, draw, params_row, probabilities
+from kvexport.runtime.offgraph import OffgraphKVManager, Session, StepEntry
+
+MODES = ("lookup", "draft")
+
+
+@dataclass
+class SpeculationStats:
+    rounds: int = 0  # session-rounds that drafted at least one token
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class Speculation:
+    """How `generate` drafts. `draft` is the draft package's runtime (mode
+    "draft"); `stats` counts what the drafts did."""
+
+    mode: str = "lookup"
+    draft: OffgraphKVManager | None = None
+    max_draft: int = 8
+    ngram: int = 3
+    step_tokens: int | None = None
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
+
+    def check(self, target: OffgraphKVManager) -> None:
+        if self.mode not in MODES:
+            raise KvexportError(f"--speculative must be one of lookup, draft, off; got {self.mode!r}")
+        if self.max_draft < 1:
+            raise KvexportError(f"the draft length must be at least 1, got {self.max_draft}")
+        if self.ngram < 1:
+            raise KvexportError(f"the lookup n-gram must be at least 1 token, got {self.ngram}")
+        if not getattr(target, "batches_sessions", False):
+            raise KvexportError("speculative decoding needs an offgraph_kv package (it checks drafts in one batched step)")
+        if self.mode == "draft":
+            check_draft(target, self.draft)
+        elif self.draft is not None:
+            raise KvexportError("a draft package drafts only with --speculative draft")
+
+
+def check_draft(target: OffgraphKVManager, draft: OffgraphKVManager | None) -> None:
+    """A draft package must batch sessions and speak the target's tokens."""
+    if draft is None:
+        raise KvexportError("--speculative draft needs a draft package (--draft PKG)")
+    if not getattr(draft, "batches_sessions", False):
+        raise KvexportError("the draft package must be an offgraph_kv package (export it with --use-offgraph-kv-cache)")
+    if draft.vocab_size != target.vocab_size:
+        raise KvexportError(
+            f"the draft package's vocabulary has {draft.vocab_size} tokens, the target's {target.vocab_size}: "
+            "a draft must share the target's tokenizer"
+        )
+    ours, theirs = _tokenizer_digest(target), _tokenizer_digest(draft)
+    if ours != theirs:
+        raise KvexportError("the draft package's tokenizer differs from the target's: a draft must share it")
+
+
+def _tokenizer_digest(manager: OffgraphKVManager) -> str | None:
+    files = manager.package.manifest.get("files", {})
+    entry = files.get("tokenizer.json")
+    return entry.get("sha256") if entry else None
+
+
+class NgramIndex:
+    """A session's tokens and, for every n-gram (n <= ngram) that something
+    followed, where it last began: prompt lookup in constant time a token."""
+
+    def __init__(self, tokens: Sequence[int], ngram: int):
+        self.ngram = ngram
+        self.tokens: list[int] = []
+        self.starts: dict[tuple[int, ...], int] = {}
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for token in tokens:
+            end = len(self.tokens)  # every gram that ends here now has a follower: `token`
+            for n in range(1, min(self.ngram, end) + 1):
+                self.starts[tuple(self.tokens[end - n : end])] = end - n
+            self.tokens.append(int(token))
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the longest n-gram ending the text
+        at its latest earlier occurrence; none when no n-gram recurs."""
+        tokens = self.tokens
+        for n in range(min(self.ngram, len(tokens)), 0, -1):
+            start = self.starts.get(tuple(tokens[-n:]))
+            if start is not None:
+                return tokens[start + n : start + n + k]
+        return []
+
+
+@dataclass
+class _Track:
+    """One prompt's decoding state."""
+
+    index: int
+    session: Session
+    generator: torch.Generator
+    context: NgramIndex  # the prompt and every token emitted (the pending one last)
+    limit: int  # tokens it may emit in all
+    emitted: list[int] = field(default_factory=list)
+    width: int = 4  # drafts it asks for next round
+    draft_session: Session | None = None
+    draft_fed: int = 0  # context tokens the draft session's cells hold
+
+    @property
+    def pending(self) -> int:
+        return self.emitted[-1]
+
+
+def generate_speculative(
+    manager: OffgraphKVManager,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    seed: int,
+    on_token: Callable[[int, int], None] | None,
+    on_device_sampler: bool,
+    stop_at_eos: bool,
+    speculation: Speculation,
+) -> list[list[int]]:
+    """`generate` with drafts (see the module's docstring); called by
+    `generate`, which has checked the prompts and the admission."""
+    speculation.check(manager)
+    draft = speculation.draft if speculation.mode == "draft" else None
+    if draft is not None:
+        _check_draft_room(draft, prompts, max_new_tokens)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    if max_new_tokens == 0:
+        return outputs
+    budget = speculation.step_tokens or max(manager.static_sizes)
+    tracks: list[_Track] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            track = _Track(i, manager.new_session(), torch.Generator().manual_seed(seed + i),
+                           NgramIndex(prompt, speculation.ngram), max_new_tokens,
+                           width=min(4, speculation.max_draft))
+            if draft is not None:
+                track.draft_session = draft.new_session()
+            tracks.append(track)
+        # the prompts go in as one step, as plain decoding does, and their first tokens are drawn the same way
+        logits = manager.step([StepEntry(t.session, list(prompt), True) for t, prompt in zip(tracks, prompts)])
+        params = torch.tensor([params_row(sampling, t.generator) for t in tracks], dtype=torch.float32)
+        first = manager.sample(torch.stack(logits), params, on_device=on_device_sampler).tolist()
+        active = [t for t, token in zip(tracks, first) if not _emit(t, [token], manager, stop_at_eos, on_token, outputs)]
+        while active:
+            drafts, qs = _propose(active, budget, speculation, draft, sampling)
+            entries = [StepEntry(t.session, [t.pending, *d], True, rows=1 + len(d)) for t, d in zip(active, drafts)]
+            rows = [r if r.dim() == 2 else r.unsqueeze(0) for r in manager.step(entries)]
+            kept = _verify(manager, active, drafts, qs, rows, sampling, on_device_sampler)
+            still = []
+            for track, d, tokens in zip(active, drafts, kept):
+                accepted = len(tokens) - 1
+                if d:
+                    speculation.stats.rounds += 1
+                    speculation.stats.drafted += len(d)
+                    speculation.stats.accepted += accepted
+                    track.width = min(track.width + 2, speculation.max_draft) if accepted == len(d) else max(track.width - 1, 1)
+                # the cells keep the pending token and the kept drafts; the last token is the new pending one
+                manager.rewind(track.session, track.session.length - (len(d) - accepted))
+                if draft is not None:
+                    fed = min(track.draft_session.length, len(track.context.tokens) + accepted)
+                    draft.rewind(track.draft_session, fed)
+                    track.draft_fed = fed
+                if not _emit(track, tokens, manager, stop_at_eos, on_token, outputs):
+                    still.append(track)
+            active = still
+    finally:
+        for track in tracks:
+            for owner, session in ((manager, track.session), (draft, track.draft_session)):
+                if session is not None and session.live:
+                    owner.release(session)
+    return outputs
+
+
+def _emit(track: _Track, tokens: list[int], manager: OffgraphKVManager, stop_at_eos: bool,
+          on_token: Callable[[int, int], None] | None, outputs: list[list[int]]) -> bool:
+    """Emits tokens in order until an EOS or the limit; True when the track is done."""
+    for token in tokens:
+        track.emitted.append(token)
+        track.context.extend([token])
+        outputs[track.index].append(token)
+        if on_token is not None:
+            on_token(track.index, token)
+        if (stop_at_eos and token in manager.eos_ids) or len(track.emitted) >= track.limit:
+            return True
+    return False
+
+
+def _propose(active: list[_Track], budget: int, speculation: Speculation, draft: OffgraphKVManager | None,
+             sampling: SamplingConfig) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    """Each session's drafts (and, from a draft package that samples, the
+    distributions they were drawn from), within the step's spare width."""
+    spare = budget - len(active)
+    allowed = [0] * len(active)
+    for i in sorted(range(len(active)), key=lambda i: -active[i].width):  # the surest drafters first
+        track = active[i]
+        # never past the tokens still to emit: the last token of a round is the target's own
+        allowed[i] = max(min(track.width, spare, track.limit - len(track.emitted) - 1), 0)
+        spare -= allowed[i]
+    if draft is None:
+        return [t.context.propose(k) if k else [] for t, k in zip(active, allowed)], [None] * len(active)
+    return _draft_tokens(draft, active, allowed, sampling)
+
+
+def _draft_tokens(draft: OffgraphKVManager, active: list[_Track], allowed: list[int],
+                  sampling: SamplingConfig) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    """Runs the draft package k steps (batched over the sessions): the first
+    feeds what its cells lack of each session's text, each next one the last
+    draft."""
+    drafts: list[list[int]] = [[] for _ in active]
+    dists: list[list[torch.Tensor]] = [[] for _ in active]
+    feed = {i: track.context.tokens[track.draft_fed :] for i, (track, k) in enumerate(zip(active, allowed)) if k}
+    while feed:
+        order = list(feed)
+        logits = draft.step([StepEntry(active[i].draft_session, feed[i], True) for i in order])
+        for i, row in zip(order, logits):
+            track = active[i]
+            track.draft_fed += len(feed[i]) if not drafts[i] else 0
+            if sampling.greedy:
+                token = int(torch.argmax(row))
+            else:
+                q = probabilities(row.unsqueeze(0), sampling)[0]
+                token = draw(q, float(torch.rand((), generator=track.generator)))
+                dists[i].append(q)
+            drafts[i].append(token)
+        feed = {i: [drafts[i][-1]] for i in order if len(drafts[i]) < allowed[i]}
+    qs = [torch.stack(d) if d else None for d in dists]
+    return drafts, qs
+
+
+def _verify(manager: OffgraphKVManager, active: list[_Track], drafts: list[list[int]], qs: list[torch.Tensor | None],
+            rows: list[torch.Tensor], sampling: SamplingConfig, on_device_sampler: bool) -> list[list[int]]:
+    """Per session: the kept drafts and then the target's own token."""
+    if sampling.greedy:
+        stacked = torch.cat(rows)
+        params = torch.tensor([params_row(sampling, None)] * stacked.shape[0], dtype=torch.float32)
+        chosen = manager.sample(stacked, params, on_device=on_device_sampler).tolist()
+        out, at = [], 0
+        for d, r in zip(drafts, rows):
+            want = chosen[at : at + r.shape[0]]
+            at += r.shape[0]
+            n = 0
+            while n < len(d) and d[n] == want[n]:
+                n += 1
+            out.append(d[:n] + [want[n]])
+        return out
+    out = []
+    for track, d, q, r in zip(active, drafts, qs, rows):
+        if not d:  # plain decoding: the package's sampler, one coin, as generate draws it
+            params = torch.tensor([params_row(sampling, track.generator)], dtype=torch.float32)
+            out.append([int(manager.sample(r, params, on_device=on_device_sampler)[0])])
+            continue
+        out.append(accept(probabilities(r, sampling), d, q, track.generator))
+    return out
+
+
+def accept(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, generator: torch.Generator) -> list[int]:
+    """The accept/reject rule: p [k + 1, V] the target's distributions at the
+    k drafted positions and after them, q [k, V] the draft's (None: each
+    draft was certain). Returns the kept drafts and one drawn token."""
+    for j, token in enumerate(drafts):
+        p_j = p[j]
+        q_j = q[j] if q is not None else None
+        q_d = float(q_j[token]) if q_j is not None else 1.0
+        if float(torch.rand((), generator=generator)) * q_d < float(p_j[token]):
+            continue
+        if q_j is None:
+            residual = p_j.clone()
+            residual[token] = 0
+        else:
+            residual = torch.clamp(p_j - q_j, min=0)
+        total = float(residual.sum())
+        residual = residual / total if total > 0 else p_j
+        return drafts[:j] + [draw(residual, float(torch.rand((), generator=generator)))]
+    return drafts + [draw(p[len(drafts)], float(torch.rand((), generator=generator)))]
+
+
+def _check_draft_room(draft: OffgraphKVManager, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """The draft package holds what the target holds, less the last token."""
+    cache = draft.cache
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    if longest > cache.max_context_len:
+        raise CapacityError(
+            f"the draft package's context is {cache.max_context_len} tokens; these prompts need {longest}: "
+            "export the draft with a larger --max-context-len"
+        )
+    needed = sum(len(p) + max(max_new_tokens - 1, 0) for p in prompts)
+    if needed > cache.free_cells:
+        raise CapacityError(
+            f"the draft package needs up to {needed} cells but {cache.free_cells} are free: export the draft with a "
+            "larger --max-cells, or run fewer prompts"
+        )
