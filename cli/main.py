@@ -429,6 +429,9 @@ def generate(
 @click.option("--state-dir", type=click.Path(path_type=Path), help="Save the prefix cache's sessions here at shutdown (token ids and K/V, in the package's cell layout) and restore them at start; files saved for another package are not restored.")
 @click.option("--trust-native-code", is_flag=True, help="Run an aoti package's native code though it is not in the trust store.")
 @click.option("--expect-digest", metavar="DIGEST", help="Serve only the package whose manifest digest is DIGEST (and trust its native code).")
+@click.option("--speculative", type=click.Choice(["off", "lookup", "draft"]), help="Speculative decoding: each decoding session drafts tokens by prompt lookup or with --draft's package, checked in the same step; drafts only fill the step up to its widest static method, so a full step decodes plainly. Greedy tokens are unchanged. Default: draft with --draft, else off.")
+@click.option("--draft", type=click.Path(path_type=Path), help="A draft package sharing the tokenizer (a smaller model, or the same one quantized).")
+@click.option("--max-draft", type=int, default=8, show_default=True, help="Most tokens a session drafts per step (it adapts to how many are kept).")
 def serve(package: Path, host: str, port: int, **options) -> None:
     """Serve PACKAGE over an OpenAI-compatible HTTP API (POST
     /v1/chat/completions and /v1/completions, GET /v1/models, /health,

@@ -134,22 +134,128 @@ class NgramIndex:
 
 
 @dataclass
-class _Track:
-    """One prompt's decoding state."""
+class Drafting:
+    """One sequence's drafting state, kept beside its session."""
 
-    index: int
-    session: Session
-    generator: torch.Generator
     context: NgramIndex  # the prompt and every token emitted (the pending one last)
-    limit: int  # tokens it may emit in all
-    emitted: list[int] = field(default_factory=list)
+    generator: torch.Generator
     width: int = 4  # drafts it asks for next round
     draft_session: Session | None = None
     draft_fed: int = 0  # context tokens the draft session's cells hold
 
     @property
     def pending(self) -> int:
-        return self.emitted[-1]
+        return self.context.tokens[-1]
+
+
+def allot(states: Sequence[Drafting], room: Sequence[int], width: int) -> list[int]:
+    """Drafts each sequence may make this step: what it asks for, within
+    its room (tokens it may still emit, less the target's own) and the
+    step's spare width (`width` less one token per sequence), the surest
+    drafters first."""
+    spare = width - len(states)
+    allowed = [0] * len(states)
+    for i in sorted(range(len(states)), key=lambda i: -states[i].width):
+        allowed[i] = max(min(states[i].width, spare, room[i]), 0)
+        spare -= allowed[i]
+    return allowed
+
+
+def propose(states: Sequence[Drafting], allowed: Sequence[int], draft: OffgraphKVManager | None,
+            samplings: Sequence[SamplingConfig]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    """Each sequence's drafts and, from a draft package that samples, the
+    distributions they were drawn from. A draft package that refuses the
+    step (its pool is full) drafts nothing this time."""
+    if draft is None:
+        return [s.context.propose(k) if k else [] for s, k in zip(states, allowed)], [None] * len(states)
+    try:
+        return _draft_tokens(draft, states, allowed, samplings)
+    except KvexportError:
+        for s in states:  # its cells may hold a partial round: start over from what it fed before
+            if s.draft_session is not None and s.draft_session.live:
+                draft.rewind(s.draft_session, min(s.draft_session.length, s.draft_fed))
+        return [[] for _ in states], [None] * len(states)
+
+
+def _draft_tokens(draft: OffgraphKVManager, states: Sequence[Drafting], allowed: Sequence[int],
+                  samplings: Sequence[SamplingConfig]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    """Runs the draft package up to k steps (batched over the sequences):
+    the first feeds what its cells lack of each sequence's text, each next
+    one the last draft."""
+    drafts: list[list[int]] = [[] for _ in states]
+    dists: list[list[torch.Tensor]] = [[] for _ in states]
+    feed = {i: s.context.tokens[s.draft_fed :] for i, (s, k) in enumerate(zip(states, allowed)) if k}
+    while feed:
+        order = list(feed)
+        logits = draft.step([StepEntry(states[i].draft_session, feed[i], True) for i in order])
+        for i, row in zip(order, logits):
+            state = states[i]
+            if not drafts[i]:
+                state.draft_fed = len(state.context.tokens)
+            if samplings[i].greedy:
+                token = int(torch.argmax(row))
+            else:
+                q = probabilities(row.unsqueeze(0), samplings[i])[0]
+                token = draw(q, float(torch.rand((), generator=state.generator)))
+                dists[i].append(q)
+            drafts[i].append(token)
+        feed = {i: [drafts[i][-1]] for i in order if len(drafts[i]) < allowed[i]}
+    return drafts, [torch.stack(d) if d else None for d in dists]
+
+
+def verify(manager: OffgraphKVManager, states: Sequence[Drafting], drafts: Sequence[list[int]],
+           qs: Sequence[torch.Tensor | None], rows: Sequence[torch.Tensor], samplings: Sequence[SamplingConfig],
+           on_device_sampler: bool = True) -> list[list[int]]:
+    """Per sequence: the drafts the target keeps and then its own token.
+    rows[i] is [1 + len(drafts[i]), V]: the logits after the pending token
+    and after each draft. Greedy rows and undrafted sampled rows go through
+    the package's sampler together, as plain decoding draws them."""
+    out: list[list[int] | None] = [None] * len(states)
+    plain = [i for i in range(len(states)) if samplings[i].greedy or not drafts[i]]
+    if plain:
+        logits = torch.cat([rows[i] for i in plain])
+        params = torch.tensor([params_row(samplings[i], states[i].generator)
+                               for i in plain for _ in range(rows[i].shape[0])], dtype=torch.float32)
+        chosen = manager.sample(logits, params, on_device=on_device_sampler).tolist()
+        at = 0
+        for i in plain:
+            want = chosen[at : at + rows[i].shape[0]]
+            at += rows[i].shape[0]
+            n = 0
+            while n < len(drafts[i]) and drafts[i][n] == want[n]:
+                n += 1
+            out[i] = drafts[i][:n] + [want[n]]
+    for i in range(len(states)):
+        if out[i] is None:
+            out[i] = accept(probabilities(rows[i], samplings[i]), drafts[i], qs[i], states[i].generator)
+    return out  # type: ignore[return-value]
+
+
+def settle(manager: OffgraphKVManager, session: Session, draft: OffgraphKVManager | None, state: Drafting,
+           drafted: int, kept: int, max_draft: int, stats: SpeculationStats) -> None:
+    """After a checked step: the width adapts, the target's cells keep the
+    pending token and the kept drafts, the draft's cells what agrees with
+    them. Call before the new tokens join the context."""
+    if drafted:
+        stats.rounds += 1
+        stats.drafted += drafted
+        stats.accepted += kept
+        state.width = min(state.width + 2, max_draft) if kept == drafted else max(state.width - 1, 1)
+    manager.rewind(session, session.length - (drafted - kept))
+    if draft is not None and state.draft_session is not None:
+        state.draft_fed = min(state.draft_session.length, len(state.context.tokens) + kept)
+        draft.rewind(state.draft_session, state.draft_fed)
+
+
+@dataclass
+class _Track:
+    """One prompt's decoding state in `generate`."""
+
+    index: int
+    session: Session
+    drafting: Drafting
+    limit: int  # tokens it may emit in all
+    emitted: list[int] = field(default_factory=list)
 
 
 def generate_speculative(
@@ -172,46 +278,38 @@ def generate_speculative(
     outputs: list[list[int]] = [[] for _ in prompts]
     if max_new_tokens == 0:
         return outputs
-    budget = speculation.step_tokens or max(manager.static_sizes)
+    width = speculation.step_tokens or max(manager.static_sizes, default=manager.widest)
     tracks: list[_Track] = []
     try:
         for i, prompt in enumerate(prompts):
-            track = _Track(i, manager.new_session(), torch.Generator().manual_seed(seed + i),
-                           NgramIndex(prompt, speculation.ngram), max_new_tokens,
-                           width=min(4, speculation.max_draft))
+            drafting = Drafting(NgramIndex(prompt, speculation.ngram), torch.Generator().manual_seed(seed + i),
+                                width=min(4, speculation.max_draft))
+            tracks.append(_Track(i, manager.new_session(), drafting, max_new_tokens))
             if draft is not None:
-                track.draft_session = draft.new_session()
-            tracks.append(track)
+                drafting.draft_session = draft.new_session()
         # the prompts go in as one step, as plain decoding does, and their first tokens are drawn the same way
         logits = manager.step([StepEntry(t.session, list(prompt), True) for t, prompt in zip(tracks, prompts)])
-        params = torch.tensor([params_row(sampling, t.generator) for t in tracks], dtype=torch.float32)
+        params = torch.tensor([params_row(sampling, t.drafting.generator) for t in tracks], dtype=torch.float32)
         first = manager.sample(torch.stack(logits), params, on_device=on_device_sampler).tolist()
         active = [t for t, token in zip(tracks, first) if not _emit(t, [token], manager, stop_at_eos, on_token, outputs)]
         while active:
-            drafts, qs = _propose(active, budget, speculation, draft, sampling)
-            entries = [StepEntry(t.session, [t.pending, *d], True, rows=1 + len(d)) for t, d in zip(active, drafts)]
+            states = [t.drafting for t in active]
+            samplings = [sampling] * len(active)
+            allowed = allot(states, [t.limit - len(t.emitted) - 1 for t in active], width)
+            drafts, qs = propose(states, allowed, draft, samplings)
+            entries = [StepEntry(t.session, [t.drafting.pending, *d], True, rows=1 + len(d)) for t, d in zip(active, drafts)]
             rows = [r if r.dim() == 2 else r.unsqueeze(0) for r in manager.step(entries)]
-            kept = _verify(manager, active, drafts, qs, rows, sampling, on_device_sampler)
+            kept = verify(manager, states, drafts, qs, rows, samplings, on_device_sampler)
             still = []
             for track, d, tokens in zip(active, drafts, kept):
-                accepted = len(tokens) - 1
-                if d:
-                    speculation.stats.rounds += 1
-                    speculation.stats.drafted += len(d)
-                    speculation.stats.accepted += accepted
-                    track.width = min(track.width + 2, speculation.max_draft) if accepted == len(d) else max(track.width - 1, 1)
-                # the cells keep the pending token and the kept drafts; the last token is the new pending one
-                manager.rewind(track.session, track.session.length - (len(d) - accepted))
-                if draft is not None:
-                    fed = min(track.draft_session.length, len(track.context.tokens) + accepted)
-                    draft.rewind(track.draft_session, fed)
-                    track.draft_fed = fed
+                settle(manager, track.session, draft, track.drafting, len(d), len(tokens) - 1, speculation.max_draft,
+                       speculation.stats)
                 if not _emit(track, tokens, manager, stop_at_eos, on_token, outputs):
                     still.append(track)
             active = still
     finally:
         for track in tracks:
-            for owner, session in ((manager, track.session), (draft, track.draft_session)):
+            for owner, session in ((manager, track.session), (draft, track.drafting.draft_session)):
                 if session is not None and session.live:
                     owner.release(session)
     return outputs
@@ -222,81 +320,13 @@ def _emit(track: _Track, tokens: list[int], manager: OffgraphKVManager, stop_at_
     """Emits tokens in order until an EOS or the limit; True when the track is done."""
     for token in tokens:
         track.emitted.append(token)
-        track.context.extend([token])
+        track.drafting.context.extend([token])
         outputs[track.index].append(token)
         if on_token is not None:
             on_token(track.index, token)
         if (stop_at_eos and token in manager.eos_ids) or len(track.emitted) >= track.limit:
             return True
     return False
-
-
-def _propose(active: list[_Track], budget: int, speculation: Speculation, draft: OffgraphKVManager | None,
-             sampling: SamplingConfig) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-    """Each session's drafts (and, from a draft package that samples, the
-    distributions they were drawn from), within the step's spare width."""
-    spare = budget - len(active)
-    allowed = [0] * len(active)
-    for i in sorted(range(len(active)), key=lambda i: -active[i].width):  # the surest drafters first
-        track = active[i]
-        # never past the tokens still to emit: the last token of a round is the target's own
-        allowed[i] = max(min(track.width, spare, track.limit - len(track.emitted) - 1), 0)
-        spare -= allowed[i]
-    if draft is None:
-        return [t.context.propose(k) if k else [] for t, k in zip(active, allowed)], [None] * len(active)
-    return _draft_tokens(draft, active, allowed, sampling)
-
-
-def _draft_tokens(draft: OffgraphKVManager, active: list[_Track], allowed: list[int],
-                  sampling: SamplingConfig) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-    """Runs the draft package k steps (batched over the sessions): the first
-    feeds what its cells lack of each session's text, each next one the last
-    draft."""
-    drafts: list[list[int]] = [[] for _ in active]
-    dists: list[list[torch.Tensor]] = [[] for _ in active]
-    feed = {i: track.context.tokens[track.draft_fed :] for i, (track, k) in enumerate(zip(active, allowed)) if k}
-    while feed:
-        order = list(feed)
-        logits = draft.step([StepEntry(active[i].draft_session, feed[i], True) for i in order])
-        for i, row in zip(order, logits):
-            track = active[i]
-            track.draft_fed += len(feed[i]) if not drafts[i] else 0
-            if sampling.greedy:
-                token = int(torch.argmax(row))
-            else:
-                q = probabilities(row.unsqueeze(0), sampling)[0]
-                token = draw(q, float(torch.rand((), generator=track.generator)))
-                dists[i].append(q)
-            drafts[i].append(token)
-        feed = {i: [drafts[i][-1]] for i in order if len(drafts[i]) < allowed[i]}
-    qs = [torch.stack(d) if d else None for d in dists]
-    return drafts, qs
-
-
-def _verify(manager: OffgraphKVManager, active: list[_Track], drafts: list[list[int]], qs: list[torch.Tensor | None],
-            rows: list[torch.Tensor], sampling: SamplingConfig, on_device_sampler: bool) -> list[list[int]]:
-    """Per session: the kept drafts and then the target's own token."""
-    if sampling.greedy:
-        stacked = torch.cat(rows)
-        params = torch.tensor([params_row(sampling, None)] * stacked.shape[0], dtype=torch.float32)
-        chosen = manager.sample(stacked, params, on_device=on_device_sampler).tolist()
-        out, at = [], 0
-        for d, r in zip(drafts, rows):
-            want = chosen[at : at + r.shape[0]]
-            at += r.shape[0]
-            n = 0
-            while n < len(d) and d[n] == want[n]:
-                n += 1
-            out.append(d[:n] + [want[n]])
-        return out
-    out = []
-    for track, d, q, r in zip(active, drafts, qs, rows):
-        if not d:  # plain decoding: the package's sampler, one coin, as generate draws it
-            params = torch.tensor([params_row(sampling, track.generator)], dtype=torch.float32)
-            out.append([int(manager.sample(r, params, on_device=on_device_sampler)[0])])
-            continue
-        out.append(accept(probabilities(r, sampling), d, q, track.generator))
-    return out
 
 
 def accept(p: torch.Tensor, drafts: list[int], q: torch.Tensor | None, generator: torch.Generator) -> list[int]:

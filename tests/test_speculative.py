@@ -224,3 +224,77 @@ def test_a_draft_must_speak_the_targets_tokens(tiny_package):
         check_draft(target, stub(7))
     with pytest.raises(KvexportError, match="tokenizer differs"):
         check_draft(target, stub(target.vocab_size, "ab" * 32))
+
+
+# ------------------------------------------------------------------ serve's engine
+def test_the_engine_speculates_and_answers_as_without(tiny_package, monkeypatch):
+    """Requests batched in the serving engine with drafts (an oracle's, so
+    most are kept, one in three spoilt) give the tokens of each alone; the
+    prefix cache still holds exactly its sessions' cells."""
+    import kvexport.runtime.speculative as spec
+    from kvexport.runtime import OffgraphKVManager
+    from kvexport.runtime.server.engine import Engine, GenerationRequest
+    from test_engine import run_all
+
+    package = load(tiny_package("tiny-llama")).package
+    prompts = [prompt_of(4 + 7 * i, seed=20 + i) for i in range(5)]
+    budgets = [6 + 5 * i for i in range(5)]
+    want = {tuple(p): generate(OffgraphKVManager(package), [p], n)[0] for p, n in zip(prompts, budgets)}
+    calls = []
+
+    def oracle(self, k):
+        prompt = next(p for p in want if list(p) == self.tokens[: len(p)])
+        done = len(self.tokens) - len(prompt)
+        drafts = want[prompt][done : done + k]
+        calls.append(1)
+        if len(calls) % 3 == 0 and drafts:
+            drafts[0] = (drafts[0] + 1) % 1031
+        return drafts
+
+    monkeypatch.setattr(spec.NgramIndex, "propose", oracle)
+    manager = OffgraphKVManager(package)
+    speculation = Speculation("lookup")
+    engine = Engine(manager, None, max_sessions=4, max_step_tokens=16, speculation=speculation)
+    try:
+        sinks = run_all(engine, [GenerationRequest(p, n) for p, n in zip(prompts, budgets)])
+        assert [s.tokens() for s in sinks] == [want[tuple(p)] for p in prompts]
+        assert speculation.stats.accepted > 0 and speculation.stats.drafted > speculation.stats.accepted
+    finally:
+        engine.shutdown()
+    cached = {h.session.seq for h in engine.prefix.holders.values() if h.cached}
+    assert set(manager.cache.next_pos) == cached
+    for holder in engine.prefix.holders.values():  # what a holder says its session holds, its cells hold
+        assert holder.session.length == len(holder.tokens)
+
+
+def test_the_engine_with_a_draft_package(tiny_package):
+    from kvexport.runtime import OffgraphKVManager
+    from kvexport.runtime.server.engine import Engine, GenerationRequest
+    from test_engine import run_all
+
+    package = load(tiny_package("tiny-llama")).package
+    draft = load(tiny_package("tiny-llama", qlinear="8w", qembedding="8w"))
+    prompts = [prompt_of(5 + 9 * i, seed=30 + i) for i in range(3)]
+    want = [generate(OffgraphKVManager(package), [p], 20)[0] for p in prompts]
+    speculation = Speculation("draft", draft=draft)
+    engine = Engine(OffgraphKVManager(package), None, max_sessions=3, speculation=speculation)
+    try:
+        sinks = run_all(engine, [GenerationRequest(p, 20) for p in prompts])
+        assert [s.tokens() for s in sinks] == want
+        assert speculation.stats.accepted > 0
+        # sampled: a seed repeats its tokens when the drafting repeats (here, alone); under other load the
+        # drafts differ, and so do the coins they take, though each token keeps the target's distribution
+        request = GenerationRequest(prompts[0], 12, SamplingConfig(0.9, top_k=8), seed=5)
+        once, again = run_all(engine, [request]), run_all(engine, [request])
+        assert once[0].tokens() == again[0].tokens() and len(once[0].tokens()) == 12
+    finally:
+        engine.shutdown()
+    assert draft.cache.next_pos == {}  # every draft session went with its request
+
+
+def test_serve_refuses_speculation_it_cannot_do(tiny_package):
+    args = ["serve", str(tiny_package("tiny-llama")), "--port", "0"]
+    result = CliRunner().invoke(main, args + ["--speculative", "draft"])
+    assert result.exit_code == 1 and "--draft" in result.output
+    result = CliRunner().invoke(main, args + ["--max-draft", "0", "--speculative", "lookup"])
+    assert result.exit_code == 1 and "--max-draft" in result.output

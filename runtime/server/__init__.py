@@ -38,6 +38,9 @@ def serve(
     expect_digest: str | None = None,
     verify: bool = True,
     state_dir: Path | str | None = None,
+    speculative: str | None = None,
+    draft: Path | str | None = None,
+    max_draft: int = 8,
     on_listening: Callable[[str], None] | None = None,
 ) -> None:
     """Serves `package` until SIGTERM or SIGINT. The socket is bound first
@@ -55,6 +58,13 @@ def serve(
     engine_options = dict(max_sessions=max_sessions, max_queue=max_queue, max_step_tokens=max_step_tokens,
                           prefix_cache_cells=prefix_cache_cells)
     Engine.check_options(**engine_options)
+    speculative = speculative or ("draft" if draft is not None else "off")
+    if speculative == "draft" and draft is None:
+        raise KvexportError("--speculative draft needs a draft package: add --draft PKG")
+    if speculative != "draft" and draft is not None:
+        raise KvexportError(f"--draft drafts only with --speculative draft (not {speculative})")
+    if max_draft < 1:
+        raise KvexportError(f"--max-draft must be at least 1, got {max_draft}")
     sock = _bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     url = f"http://{bound_host if ':' not in bound_host else f'[{bound_host}]'}:{bound_port}"
@@ -73,7 +83,8 @@ def serve(
     def startup() -> None:
         start_loading(state, stop, package=package, trust_native_code=trust_native_code, expect_digest=expect_digest,
                       max_cells=max_cells, verify=verify, engine_options=engine_options,
-                      state_dir=Path(state_dir) if state_dir is not None else None)
+                      state_dir=Path(state_dir) if state_dir is not None else None, speculative=speculative,
+                      draft=draft, max_draft=max_draft)
         if on_listening is not None:
             on_listening(url)
 

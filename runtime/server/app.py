@@ -355,7 +355,8 @@ class _Reply:
 
 # ------------------------------------------------------------------ loading
 def load_engine(state: ServerState, package, *, trust_native_code: bool, expect_digest: str | None, max_cells: int | None,
-                verify: bool, engine_options: dict, state_dir=None) -> None:
+                verify: bool, engine_options: dict, state_dir=None, speculative: str = "off", draft=None,
+                max_draft: int = 8) -> None:
     """Loads and verifies the package, then starts the engine (in a thread of
     its own while the server already answers /health with 503)."""
     from kvexport.runtime import load
@@ -372,11 +373,22 @@ def load_engine(state: ServerState, package, *, trust_native_code: bool, expect_
         if not result.ok:
             raise KvexportError(f"{package}: {result.summary}; refusing to serve it (--no-verify serves it unchecked)")
         log.info("%s", result.summary)
+    speculation = None
+    if speculative != "off":
+        from kvexport.runtime.speculative import Speculation
+
+        draft_runtime = load(draft, trust_native_code=trust_native_code) if draft is not None else None
+        speculation = Speculation(speculative, draft=draft_runtime, max_draft=max_draft)
+        speculation.check(runtime)
+        stats = speculation.stats
+        state.metrics.watch("kvexport_speculative_drafted_tokens", "Tokens drafted (prompt lookup or the draft package)",
+                            lambda: stats.drafted)
+        state.metrics.watch("kvexport_speculative_accepted_tokens", "Drafted tokens the model kept", lambda: stats.accepted)
     text = runtime.package.tokenizer() if runtime.package.manifest.get("tokenizer") else None
     metrics = state.metrics
     digest = manifest_digest(runtime.package.reader.manifest_bytes)
     engine = Engine(runtime, text, on_step=metrics.step, on_token_times=metrics.token_times, state_dir=state_dir,
-                    package_digest=digest, **engine_options)
+                    package_digest=digest, speculation=speculation, **engine_options)
     state.ready(engine, text)
 
 

@@ -35,6 +35,7 @@ from kvexport.runtime.cell_cache import MAX_SEQUENCES
 from kvexport.runtime.offgraph import OffgraphKVManager, Session, StepEntry, check_token_ids
 from kvexport.runtime.server.prefix_cache import Holder, PrefixCache
 from kvexport.runtime.server.state import restore_sessions, save_sessions
+from kvexport.runtime.speculative import Drafting, NgramIndex, Speculation, allot, propose, settle, verify
 from kvexport.runtime.text import StopMatcher, Text, TextStream
 
 log = logging.getLogger(__name__)
@@ -117,6 +118,7 @@ class _Choice:
     pending: int | None = None  # the sampled token the next step feeds
     finished: bool = False
     last_token_time: float = 0.0
+    drafting: Drafting | None = None  # with speculative decoding
 
     @property
     def session(self) -> Session:
@@ -179,8 +181,16 @@ class Engine:
         on_token_times: Callable[[float | None, float | None], None] | None = None,
         state_dir: Path | None = None,
         package_digest: str = "",
+        speculation: Speculation | None = None,
     ):
         self.check_options(max_sessions, max_queue, max_step_tokens, prefix_cache_cells)
+        if speculation is not None:
+            speculation.check(manager)
+        self.speculation = speculation
+        self.draft = speculation.draft if speculation is not None and speculation.mode == "draft" else None
+        # drafts fill a step up to the widest static method, never past it
+        self.draft_width = (speculation.step_tokens if speculation is not None and speculation.step_tokens
+                            else max(manager.static_sizes, default=manager.widest))
         self.manager = manager
         self.text = text
         self.max_sessions = max_sessions
@@ -338,9 +348,14 @@ class Engine:
         self._running.remove(job)
         self._active -= job.request.n
         for choice in job.choices:
+            self._drop_draft(choice)
             if choice.session.live:
                 self.prefix.forget(choice.holder)
                 self.manager.release(choice.session)
+
+    def _drop_draft(self, choice: _Choice) -> None:
+        if choice.drafting is not None and choice.drafting.draft_session is not None and choice.drafting.draft_session.live:
+            self.draft.release(choice.drafting.draft_session)
 
     # ---------------------------------------------------------- admission
     def _free_cells(self) -> int:
@@ -392,7 +407,13 @@ class Engine:
     def _choice(self, job: _Job, index: int, holder: Holder) -> _Choice:
         generator = torch.Generator().manual_seed(job.request.seed + index)
         stream = TextStream(self.text) if self.text is not None else None
-        return _Choice(index, holder, generator, stream, StopMatcher(job.request.stop))
+        choice = _Choice(index, holder, generator, stream, StopMatcher(job.request.stop))
+        spec = self.speculation
+        if spec is not None and job.request.logprobs is None:  # logprobs come from the plain path's rows
+            choice.drafting = Drafting(NgramIndex(job.request.prompt, spec.ngram), generator, width=min(4, spec.max_draft))
+            if self.draft is not None:
+                choice.drafting.draft_session = self.draft.new_session()
+        return choice
 
     # --------------------------------------------------------------- step
     def _step(self) -> None:
@@ -402,9 +423,11 @@ class Engine:
         for job in self._running:
             for choice in job.choices:
                 if not choice.finished and choice.pending is not None:
-                    entries.append(StepEntry(choice.session, [choice.pending], True))
                     due.append((job, choice))
-        decodes = len(entries)
+        drafts, qs = self._drafts(due)
+        for (job, choice), d in zip(due, drafts):
+            entries.append(StepEntry(choice.session, [choice.pending, *d], True, rows=1 + len(d)))
+        decodes = sum(len(e.tokens) for e in entries)
         budget = self.max_step_tokens - decodes
         for job in self._running:
             if budget <= 0:
@@ -428,7 +451,11 @@ class Engine:
             return
         model_seconds = time.perf_counter() - model_began
         rows: list[tuple[_Job, _Choice, torch.Tensor]] = []
-        for (job, choice), entry, row in zip(due, entries, logits):
+        checked: list[tuple[_Job, _Choice, list[int], torch.Tensor | None, torch.Tensor]] = []
+        for k, ((job, choice), entry, row) in enumerate(zip(due, entries, logits)):
+            if choice is not None and choice.drafting is not None:
+                checked.append((job, choice, drafts[k], qs[k], row if row.dim() == 2 else row.unsqueeze(0)))
+                continue
             if choice is not None:
                 choice.holder.tokens.append(choice.pending)
                 choice.pending = None
@@ -440,6 +467,8 @@ class Engine:
             if row is not None:  # the prompt is in: every choice samples from its last logits
                 self._fork(job)
                 rows.extend((job, choice, row) for choice in job.choices)
+        if checked:
+            model_seconds += self._check(checked)
         if rows:
             model_began = time.perf_counter()
             drawn, logprobs = self._sample(rows)
@@ -450,6 +479,44 @@ class Engine:
         if self.on_step is not None:
             own = time.perf_counter() - began - model_seconds
             self.on_step(StepStats(tokens, decodes, model_seconds, own, self.manager.cells_read))
+
+    def _drafts(self, due: list[tuple[_Job, _Choice | None]]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Each decoding choice's drafts (none without speculation, for
+        logprobs requests, or when the decoding choices fill the step)."""
+        if self.speculation is None or not due:
+            return [[] for _ in due], [None] * len(due)
+        drafting = [(k, job, choice) for k, (job, choice) in enumerate(due) if choice.drafting is not None]
+        states = [choice.drafting for _, _, choice in drafting]
+        room = [job.request.max_tokens - len(choice.output) - 1 for _, job, choice in drafting]
+        allowed = allot(states, room, self.draft_width - (len(due) - len(drafting)))
+        got, got_q = propose(states, allowed, self.draft, [job.request.sampling for _, job, _ in drafting])
+        drafts: list[list[int]] = [[] for _ in due]
+        qs: list[torch.Tensor | None] = [None] * len(due)
+        for (k, _, _), d, q in zip(drafting, got, got_q):
+            drafts[k], qs[k] = d, q
+        return drafts, qs
+
+    def _check(self, checked: list[tuple[_Job, _Choice, list[int], torch.Tensor | None, torch.Tensor]]) -> float:
+        """Keeps the drafts the target agrees with and delivers them and the
+        target's own token; returns the model time it took."""
+        spec = self.speculation
+        began = time.perf_counter()
+        kept = verify(self.manager, [c.drafting for _, c, _, _, _ in checked], [d for _, _, d, _, _ in checked],
+                      [q for _, _, _, q, _ in checked], [r for _, _, _, _, r in checked],
+                      [job.request.sampling for job, _, _, _, _ in checked])
+        model_seconds = time.perf_counter() - began
+        now = time.perf_counter()
+        for (job, choice, drafted, _, _), tokens in zip(checked, kept):
+            settle(self.manager, choice.session, self.draft, choice.drafting, len(drafted), len(tokens) - 1,
+                   spec.max_draft, spec.stats)
+            choice.holder.tokens.extend([choice.pending, *drafted[: len(tokens) - 1]])
+            choice.pending = None
+            self.prefix.update(choice.holder)
+            for token in tokens:
+                self._deliver(job, choice, token, None, now)
+                if choice.finished:
+                    break
+        return model_seconds
 
     def _fork(self, job: _Job) -> None:
         """n > 1: the other choices clone the prompt's cells (nothing is copied)."""
@@ -477,6 +544,8 @@ class Engine:
     def _deliver(self, job: _Job, choice: _Choice, token: int, logprob: TokenLogprob | None, now: float) -> None:
         request = job.request
         choice.output.append(token)
+        if choice.drafting is not None:
+            choice.drafting.context.extend([token])
         if self.on_token_times is not None:
             first = len(choice.output) == 1
             self.on_token_times(now - job.arrival if first else None, None if first else now - choice.last_token_time)
@@ -493,6 +562,7 @@ class Engine:
             choice.pending = token
             return
         choice.finished = True
+        self._drop_draft(choice)
         job.sink(Finished(choice.index, reason))
         self.prefix.retire(choice.holder)
         if all(c.finished for c in job.choices) and len(job.choices) == request.n:
