@@ -344,6 +344,8 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--speculative", type=click.Choice(["off", "lookup", "draft"]), help="Speculative decoding: draft tokens by prompt lookup (n-grams of the text so far) or with --draft's package, and check them in one step. Greedy tokens are unchanged. Default: draft with --draft, else off.")
 @click.option("--draft", "draft_package", type=click.Path(path_type=Path), help="A draft package sharing the tokenizer (a smaller model, or the same one quantized): it proposes tokens the package checks.")
 @click.option("--max-draft", type=int, default=8, show_default=True, help="Most tokens a session drafts per step (it adapts to how many are kept).")
+@click.option("--json-schema", "json_schema", type=click.Path(path_type=Path), help="A JSON schema file: every output is JSON that validates against it (the tokens it forbids are masked before each draw).")
+@click.option("--regex", help="A regular expression every output matches in full.")
 def generate(
     package: Path,
     prompts: tuple[str, ...],
@@ -362,6 +364,8 @@ def generate(
     speculative: str | None,
     draft_package: Path | None,
     max_draft: int,
+    json_schema: Path | None,
+    regex: str | None,
 ) -> None:
     """Generate from PACKAGE for one or more prompts, batched as concurrent sessions."""
     from kvexport.runtime import SamplingConfig, load
@@ -382,6 +386,7 @@ def generate(
     if mode != "off":
         draft = load(draft_package, trust_native_code=trust_native_code) if draft_package is not None else None
         speculation = Speculation(mode, draft=draft, max_draft=max_draft)
+    grammar = _grammar(runtime, json_schema, regex)
     text = runtime.package.tokenizer() if prompts or runtime.package.manifest.get("tokenizer") else None
     ids = [text.encode(p, chat=not raw) for p in prompts] + [_parse_ids(p) for p in prompt_ids]
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -392,7 +397,7 @@ def generate(
             click.echo(escape_lines(stream.push(token)), nl=False)  # the package's tokenizer spells it
 
     outputs = run_generate(runtime, ids, max_new_tokens, sampling, seed, on_token, on_device_sampler=not host_sampler,
-                           speculation=speculation)
+                           speculation=speculation, grammar=grammar)
     if as_json:
         records = [
             {"prompt_ids": p, "generated_ids": g, "text": text.decode(g) if text is not None else None}
@@ -409,6 +414,24 @@ def generate(
         for i, generated in enumerate(outputs):
             body = text.decode(generated) if text is not None else " ".join(map(str, generated))
             click.echo(f"--- output {i} ---\n{escape_lines(body)}")
+
+
+def _grammar(runtime, json_schema: Path | None, regex: str | None):
+    """The grammar --json-schema or --regex asks for (None without either)."""
+    from kvexport.runtime.grammar import Grammar
+
+    if json_schema is not None and regex is not None:
+        raise KvexportError("--json-schema and --regex: pass one of them")
+    if json_schema is None and regex is None:
+        return None
+    text = runtime.package.tokenizer() if runtime.package.manifest.get("tokenizer") else None
+    if json_schema is not None:
+        try:
+            schema = json_schema.read_text()
+        except OSError as e:
+            raise KvexportError(f"--json-schema {json_schema}: cannot read it ({e.strerror})") from None
+        return Grammar.json_schema(text, schema, runtime.vocab_size, runtime.eos_ids)
+    return Grammar.regex(text, regex, runtime.vocab_size, runtime.eos_ids)
 
 
 # ------------------------------------------------------------------- serve

@@ -12,6 +12,7 @@ from kvexport.contract.errors import CapacityError, KvexportError
 from kvexport.runtime.offgraph import OffgraphKVManager, StepEntry, check_token_ids
 from kvexport.contract.sampler import SamplingConfig, params_row
 from kvexport.runtime.single_sequence import SingleSequenceManager
+from kvexport.runtime.grammar import Grammar
 from kvexport.runtime.speculative import Speculation, generate_speculative
 
 TokenCallback = Callable[[int, int], None]  # (prompt index, token id)
@@ -27,21 +28,27 @@ def generate(
     on_device_sampler: bool = True,
     stop_at_eos: bool = True,
     speculation: Speculation | None = None,
+    grammar: Grammar | None = None,
 ) -> list[list[int]]:
     """Generates for every prompt at once; returns the new ids per prompt, in
     prompt order (an EOS id that ended a sequence is included, as HF does).
     Prompt i samples with its own generator seeded `seed + i`, so its tokens
     do not depend on the other prompts. With `speculation` each session
     drafts tokens and checks them in one step (runtime/speculative.py): the
-    same tokens at temperature 0, the same distribution otherwise."""
+    same tokens at temperature 0, the same distribution otherwise. With
+    `grammar` every output follows it (runtime/grammar.py): the tokens it
+    forbids are masked out of the logits before each draw."""
     sampling.validate()
     _check_seed(seed, len(prompts))
     if max_new_tokens < 0:
         raise KvexportError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     if speculation is not None:
         speculation.check(manager)
+        if grammar is not None:
+            raise KvexportError("speculative decoding and a grammar (--json-schema, --regex) do not run together yet: "
+                                "drop one")
     if not manager.batches_sessions:
-        return _generate_one_at_a_time(manager, prompts, max_new_tokens, sampling, seed, on_token, stop_at_eos)
+        return _generate_one_at_a_time(manager, prompts, max_new_tokens, sampling, seed, on_token, stop_at_eos, grammar)
     _check_admission(manager, prompts, max_new_tokens)
     if speculation is not None:
         return generate_speculative(manager, prompts, max_new_tokens, sampling, seed, on_token, on_device_sampler,
@@ -50,6 +57,7 @@ def generate(
     if max_new_tokens == 0:
         return outputs
     sessions = []
+    constraints = [grammar.constraint() for _ in prompts] if grammar is not None else None
     generators = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
     pending = [list(p) for p in prompts]
     active = list(range(len(prompts)))
@@ -57,10 +65,14 @@ def generate(
         sessions = [manager.new_session() for _ in prompts]
         while active:
             logits = manager.step([StepEntry(sessions[i], pending[i], True) for i in active])
+            if constraints is not None:
+                logits = [constraints[i].apply(row) for i, row in zip(active, logits)]
             params = torch.tensor([params_row(sampling, generators[i]) for i in active], dtype=torch.float32)
             drawn = manager.sample(torch.stack(logits), params, on_device=on_device_sampler).tolist()
             still = []
             for i, token in zip(active, drawn):
+                if constraints is not None:
+                    constraints[i].advance(token)
                 outputs[i].append(token)
                 if on_token is not None:
                     on_token(i, token)
@@ -125,6 +137,7 @@ def _generate_one_at_a_time(
     seed: int,
     on_token: TokenCallback | None,
     stop_at_eos: bool,
+    grammar: Grammar | None = None,
 ) -> list[list[int]]:
     """A single-sequence contract runs its prompts one after another; every
     prompt is checked against the context before any runs."""
@@ -143,12 +156,17 @@ def _generate_one_at_a_time(
     for i, prompt in enumerate(prompts):
         manager.reset()
         generator = torch.Generator().manual_seed(seed + i)
+        constraint = grammar.constraint() if grammar is not None else None
         out: list[int] = []
         pending = list(prompt)
         while len(out) < max_new_tokens:
             logits = manager.step(pending)
+            if constraint is not None:
+                logits = constraint.apply(logits)
             params = torch.tensor([params_row(sampling, generator)], dtype=torch.float32)
             token = int(manager.sample(logits.unsqueeze(0), params)[0])
+            if constraint is not None:
+                constraint.advance(token)
             out.append(token)
             if on_token is not None:
                 on_token(i, token)

@@ -193,11 +193,28 @@ def _encode_chat(text: Text, messages: list[dict]) -> list[int]:
         raise api.ApiError(400, f"the chat template could not render these messages: {e}", param="messages") from None
 
 
+def _grammar(state: ServerState, engine: Engine, response_format: tuple):
+    """The grammar a response_format asks for; a schema the engine refuses is a 400 naming why."""
+    from kvexport.runtime.grammar import Grammar, GrammarError
+
+    kind, schema = response_format
+    if kind == "text":
+        return None
+    manager = engine.manager
+    try:
+        if kind == "json_object":
+            return Grammar.json_object(state.text, manager.vocab_size, manager.eos_ids)
+        return Grammar.json_schema(state.text, schema, manager.vocab_size, manager.eos_ids)
+    except GrammarError as e:
+        raise api.ApiError(400, str(e), param="response_format") from None
+
+
 async def _generate(state: ServerState, engine: Engine, request: Request, parsed: api.ParsedRequest, prompt: list[int],
                     kind: str) -> Response:
     max_tokens = parsed.max_tokens if parsed.max_tokens is not None else max(engine.context - len(prompt), 1)
+    grammar = await asyncio.to_thread(_grammar, state, engine, parsed.response_format)
     generation = GenerationRequest(prompt, max_tokens, parsed.sampling, parsed.seed, parsed.n, parsed.stop, parsed.logprobs,
-                                   parsed.ignore_eos)
+                                   parsed.ignore_eos, grammar)
     queue: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
 

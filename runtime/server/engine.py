@@ -35,6 +35,7 @@ from kvexport.runtime.cell_cache import MAX_SEQUENCES
 from kvexport.runtime.offgraph import OffgraphKVManager, Session, StepEntry, check_token_ids
 from kvexport.runtime.server.prefix_cache import Holder, PrefixCache
 from kvexport.runtime.server.state import restore_sessions, save_sessions
+from kvexport.runtime.grammar import Constraint, Grammar
 from kvexport.runtime.speculative import Drafting, NgramIndex, Speculation, allot, propose, settle, verify
 from kvexport.runtime.text import StopMatcher, Text, TextStream
 
@@ -63,6 +64,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely ones'
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # response_format: every choice follows it
 
 
 # ------------------------------------------------------------------ events
@@ -119,6 +121,7 @@ class _Choice:
     finished: bool = False
     last_token_time: float = 0.0
     drafting: Drafting | None = None  # with speculative decoding
+    constraint: Constraint | None = None  # with a grammar
 
     @property
     def session(self) -> Session:
@@ -408,6 +411,9 @@ class Engine:
         generator = torch.Generator().manual_seed(job.request.seed + index)
         stream = TextStream(self.text) if self.text is not None else None
         choice = _Choice(index, holder, generator, stream, StopMatcher(job.request.stop))
+        if job.request.grammar is not None:  # masked before each draw; no drafts
+            choice.constraint = job.request.grammar.constraint()
+            return choice
         spec = self.speculation
         if spec is not None and job.request.logprobs is None:  # logprobs come from the plain path's rows
             choice.drafting = Drafting(NgramIndex(job.request.prompt, spec.ngram), generator, width=min(4, spec.max_draft))
@@ -527,7 +533,7 @@ class Engine:
             job.choices.append(self._choice(job, index, holder))
 
     def _sample(self, rows: list[tuple[_Job, _Choice, torch.Tensor]]) -> tuple[list[int], list[TokenLogprob | None]]:
-        logits = torch.stack([row for _, _, row in rows])
+        logits = torch.stack([row if choice.constraint is None else choice.constraint.apply(row) for _, choice, row in rows])
         params = torch.tensor([params_row(job.request.sampling, choice.generator) for job, choice, _ in rows],
                               dtype=torch.float32)
         drawn = self.manager.sample(logits, params).tolist()
@@ -543,6 +549,14 @@ class Engine:
 
     def _deliver(self, job: _Job, choice: _Choice, token: int, logprob: TokenLogprob | None, now: float) -> None:
         request = job.request
+        if job not in self._running:  # failed earlier in this step
+            return
+        if choice.constraint is not None:
+            try:
+                choice.constraint.advance(token)
+            except KvexportError as e:  # the grammar refused a drawn token: only this request fails
+                self._fail(job, str(e))
+                return
         choice.output.append(token)
         if choice.drafting is not None:
             choice.drafting.context.extend([token])

@@ -49,6 +49,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     ignore_eos: bool
+    response_format: tuple[str, Any] = ("text", None)  # ("json_object", None) or ("json_schema", the schema)
 
 
 def _bad(message: str, param: str) -> ApiError:
@@ -119,13 +120,24 @@ def _common(body: Any, kind: str) -> dict:
     for name in ("tools", "functions"):
         if _get(body, name, (list,), []):
             raise _bad(f"'{name}' is not supported by this server", name)
-    response_format = _get(body, "response_format", (dict,), {"type": "text"})
-    if response_format.get("type", "text") != "text":
-        raise _bad(f"response_format type {response_format.get('type')!r} is not supported by this server (only 'text')",
-                   "response_format")
+    response_format = _response_format(_get(body, "response_format", (dict,), {"type": "text"}))
     return dict(kind=kind, model=model, max_tokens=max_tokens, sampling=SamplingConfig(temperature, top_k, top_p),
                 seed=seed, n=n, stop=tuple(stop), stream=stream, include_usage=include_usage,
-                ignore_eos=_get(body, "ignore_eos", (bool,), False))
+                ignore_eos=_get(body, "ignore_eos", (bool,), False), response_format=response_format)
+
+
+def _response_format(value: dict) -> tuple[str, Any]:
+    """OpenAI's response_format: text, json_object, or json_schema with
+    {"json_schema": {"name", "schema", "strict"}}."""
+    kind = value.get("type", "text")
+    if kind in ("text", "json_object"):
+        return kind, None
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise _bad("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}", "response_format")
+        return kind, spec.get("schema", {})
+    raise _bad(f"response_format type {kind!r} is not supported (text, json_object, json_schema)", "response_format")
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")

@@ -1,0 +1,124 @@
+"""Output that follows a grammar: a JSON schema, any JSON object, or a
+regular expression, through llguidance (a maintained grammar engine, from
+the package registry) over the package's own tokenizer.
+
+Each constrained sequence keeps a matcher. Before each draw the tokens the
+grammar forbids get -inf logits, so whatever the sampler draws (the
+package's `sample` methods or the host's) is allowed, greedy or not; each
+drawn token then advances the matcher. When the grammar is complete the
+only token left is an EOS id, so generation ends there.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from typing import Any
+
+import torch
+
+from kvexport.contract.errors import KvexportError
+
+# llguidance's tokenizer of each package's Text (converting one takes about a second)
+_TOKENIZERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+class GrammarError(KvexportError):
+    """A grammar the engine refused (a bad schema or regex): the message says why."""
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+    except ImportError:  # pragma: no cover  (a dependency of kvexport; a broken install)
+        raise KvexportError("structured output needs llguidance: pip install llguidance") from None
+    return llguidance
+
+
+class Grammar:
+    """A grammar checked against one package's tokenizer; `constraint()`
+    makes the state of one sequence."""
+
+    def __init__(self, text, grammar: str, vocab_size: int, eos_ids: frozenset[int], what: str):
+        llg = _llguidance()
+        if text is None:
+            raise GrammarError(f"{what}: the package has no tokenizer, and a grammar is matched on text")
+        self.tokenizer = _tokenizer(text, vocab_size, eos_ids)
+        self.grammar, self.vocab_size, self.what = grammar, vocab_size, what
+        matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"{what}: refused by the grammar engine: {_short(matcher.get_error())}")
+
+    @classmethod
+    def json_schema(cls, text, schema: Any, vocab_size: int, eos_ids: frozenset[int]) -> "Grammar":
+        """Any JSON value that validates against `schema` (a dict or its JSON text)."""
+        llg = _llguidance()
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"the JSON schema is not JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise GrammarError(f"a JSON schema is a JSON object, got {type(schema).__name__}")
+        try:
+            grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+        except (ValueError, TypeError) as e:
+            raise GrammarError(f"the JSON schema was refused: {_short(str(e))}") from None
+        return cls(text, grammar, vocab_size, eos_ids, "the JSON schema")
+
+    @classmethod
+    def json_object(cls, text, vocab_size: int, eos_ids: frozenset[int]) -> "Grammar":
+        """Any JSON object (OpenAI's response_format json_object)."""
+        return cls.json_schema(text, {"type": "object"}, vocab_size, eos_ids)
+
+    @classmethod
+    def regex(cls, text, pattern: str, vocab_size: int, eos_ids: frozenset[int]) -> "Grammar":
+        grammar = _llguidance().LLMatcher.grammar_from_regex(pattern)
+        return cls(text, grammar, vocab_size, eos_ids, f"the regex {pattern!r}")
+
+    def constraint(self) -> "Constraint":
+        return Constraint(self)
+
+
+class Constraint:
+    """One sequence's place in a grammar."""
+
+    def __init__(self, grammar: Grammar):
+        self.grammar = grammar
+        self.matcher = _llguidance().LLMatcher(grammar.tokenizer, grammar.grammar, log_level=0)
+
+    def allowed(self) -> torch.Tensor:
+        """bool [V]: the tokens the grammar allows next."""
+        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
+        bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
+        return bits.flatten()[: self.grammar.vocab_size].bool()
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [V] with every forbidden token at -inf."""
+        return logits.masked_fill(~self.allowed().to(logits.device), float("-inf"))
+
+    def advance(self, token: int) -> None:
+        if not self.matcher.consume_token(int(token)) or self.matcher.is_error():
+            raise KvexportError(f"{self.grammar.what}: token {token} broke the grammar "
+                                f"({_short(self.matcher.get_error())})")
+
+
+def _tokenizer(text, vocab_size: int, eos_ids: frozenset[int]):
+    """llguidance's view of the package's tokenizer, made once a tokenizer
+    (about a second), with the package's vocabulary size and EOS ids."""
+    key = (vocab_size, tuple(sorted(eos_ids)))
+    cached = _TOKENIZERS.get(text)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    llg = _llguidance()
+    try:
+        tokenizer = llg.hf.from_tokenizer(text.tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_ids))
+    except (ValueError, TypeError) as e:
+        raise GrammarError(f"the grammar engine cannot read this package's tokenizer: {_short(str(e))}") from None
+    _TOKENIZERS[text] = (key, tokenizer)
+    return tokenizer
+
+
+def _short(message: str) -> str:
+    return message.strip().splitlines()[0][:300] if message.strip() else "no reason given"

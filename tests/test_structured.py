@@ -1,0 +1,151 @@
+"""Structured output (runtime/grammar.py): outputs that follow a JSON schema
+or a regex, through generate, the CLI and the serving engine; a schema the
+grammar engine refuses is a clear error."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from click.testing import CliRunner
+
+from helpers import export_tiny
+from kvexport.cli.main import main
+from kvexport.contract.errors import KvexportError
+from kvexport.contract.sampler import SamplingConfig
+from kvexport.exporter.sources.models import load_model
+from kvexport.runtime import generate, load
+from kvexport.runtime.grammar import Grammar, GrammarError
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer", "minimum": 0,
+     "maximum": 150}}, "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
+     "required": ["colour", "ok"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "minItems": 1, "maxItems": 4},
+    {"type": "object", "properties": {"point": {"type": "object", "properties": {"x": {"type": "number", "minimum": 0,
+     "maximum": 1}, "y": {"enum": [1, 2]}}, "required": ["x", "y"], "additionalProperties": False}},
+     "required": ["point"], "additionalProperties": False},
+]
+
+
+def byte_tokenizer(directory, vocab_size: int = 1031):
+    """A byte-level BPE tokenizer with the tiny models' vocabulary size:
+    it spells any text, so JSON, one byte a token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2}
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    i = 0
+    while len(vocab) < vocab_size:  # words no merge makes: they only decode
+        vocab[f"w{i}"] = len(vocab)
+        i += 1
+    core = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok.save_pretrained(str(directory))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    root = tmp_path_factory.mktemp("structured")
+    source = root / "model"
+    load_model("tiny-llama").model.save_pretrained(str(source))
+    byte_tokenizer(source)
+    return export_tiny(str(source), root / "pkg").path
+
+
+def test_every_output_validates_against_its_schema(package):
+    runtime = load(package)
+    text = runtime.package.tokenizer()
+    prompts = [text.encode(p, chat=False) for p in ("a person", "a colour", "numbers")]
+    for schema in SCHEMAS:
+        grammar = Grammar.json_schema(text, schema, runtime.vocab_size, runtime.eos_ids)
+        for sampling in (SamplingConfig(), SamplingConfig(temperature=1.0, top_k=50)):
+            outputs = generate(runtime, prompts, 120, sampling, seed=3, grammar=grammar)
+            for out in outputs:
+                assert out[-1] in runtime.eos_ids, "the grammar ends each output with an EOS"
+                jsonschema.validate(json.loads(text.decode(out)), schema)
+
+
+def test_a_regex_is_matched_in_full(package):
+    runtime = load(package)
+    text = runtime.package.tokenizer()
+    pattern = r"(yes|no), [0-9]{2,3}!"
+    grammar = Grammar.regex(text, pattern, runtime.vocab_size, runtime.eos_ids)
+    for out in generate(runtime, [text.encode("x", chat=False)] * 3, 40, SamplingConfig(0.8), seed=1, grammar=grammar):
+        assert re.fullmatch(pattern, text.decode(out))
+
+
+def test_refused_grammars_say_why(package):
+    runtime = load(package)
+    text = runtime.package.tokenizer()
+    with pytest.raises(GrammarError, match="Invalid type"):
+        Grammar.json_schema(text, {"type": "strin"}, runtime.vocab_size, runtime.eos_ids)
+    with pytest.raises(GrammarError, match="not JSON"):
+        Grammar.json_schema(text, "{not json", runtime.vocab_size, runtime.eos_ids)
+    with pytest.raises(GrammarError, match="regex"):
+        Grammar.regex(text, "a(b", runtime.vocab_size, runtime.eos_ids)
+    with pytest.raises(GrammarError, match="no tokenizer"):
+        Grammar.json_object(None, runtime.vocab_size, runtime.eos_ids)
+
+
+def test_cli_json_schema_and_regex(package, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMAS[1]))
+    args = ["generate", str(package), "--prompt", "a colour", "--raw", "--max-new-tokens", "60", "--json"]
+    result = CliRunner().invoke(main, args + ["--json-schema", str(schema)])
+    assert result.exit_code == 0, result.output
+    jsonschema.validate(json.loads(json.loads(result.stdout)["outputs"][0]["text"]), SCHEMAS[1])
+    result = CliRunner().invoke(main, args + ["--regex", "[a-c]{3}"])
+    assert result.exit_code == 0 and re.fullmatch("[a-c]{3}", json.loads(result.stdout)["outputs"][0]["text"])
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "nope"}}}')
+    result = CliRunner().invoke(main, args + ["--json-schema", str(schema)])
+    assert result.exit_code == 1 and "JSON schema" in result.output and "Traceback" not in result.output
+    result = CliRunner().invoke(main, args + ["--regex", "x", "--speculative", "lookup"])
+    assert result.exit_code == 1 and "grammar" in result.output
+
+
+def test_the_engine_follows_each_requests_schema(package):
+    """Constrained and free requests batched together: each constrained
+    choice validates, and a free one is what it would be alone."""
+    from kvexport.runtime import OffgraphKVManager
+    from kvexport.runtime.server.engine import Engine, GenerationRequest
+    from test_engine import run_all
+
+    runtime = load(package)
+    text = runtime.package.tokenizer()
+    prompt = text.encode("describe", chat=False)
+    grammars = [Grammar.json_schema(text, s, runtime.vocab_size, runtime.eos_ids) for s in SCHEMAS]
+    free = generate(OffgraphKVManager(runtime.package), [prompt], 20)[0]
+    engine = Engine(OffgraphKVManager(runtime.package), text, max_sessions=8)
+    try:
+        requests = [GenerationRequest(prompt, 120, SamplingConfig(0.9), seed=i, n=2, grammar=g) for i, g in enumerate(grammars)]
+        sinks = run_all(engine, requests + [GenerationRequest(prompt, 20)])
+        for sink, schema in zip(sinks, SCHEMAS):
+            for choice in (0, 1):
+                jsonschema.validate(json.loads(text.decode(sink.tokens(choice))), schema)
+        assert sinks[-1].tokens() == free
+    finally:
+        engine.shutdown()
+
+
+def test_openai_response_format_is_parsed_or_refused():
+    from kvexport.runtime.server import openai_api as api
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert api.parse_chat(body).response_format == ("text", None)
+    assert api.parse_chat({**body, "response_format": {"type": "json_object"}}).response_format == ("json_object", None)
+    schema = SCHEMAS[0]
+    parsed = api.parse_chat({**body, "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}})
+    assert parsed.response_format == ("json_schema", schema)
+    for bad in ({"type": "xml"}, {"type": "json_schema", "json_schema": "nope"}):
+        with pytest.raises(api.ApiError, match="response_format"):
+            api.parse_chat({**body, "response_format": bad})
