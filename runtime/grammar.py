@@ -62,7 +62,7 @@ class Grammar:
         if not isinstance(schema, dict):
             raise GrammarError(f"a JSON schema is a JSON object, got {type(schema).__name__}")
         try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+            grammar = llg.LLMatcher.grammar_from_json_schema(_finite_numbers(schema), defaults={"whitespace_flexible": False})
         except (ValueError, TypeError) as e:
             raise GrammarError(f"the JSON schema was refused: {_short(str(e))}") from None
         return cls(text, grammar, vocab_size, eos_ids, "the JSON schema")
@@ -90,9 +90,8 @@ class Constraint:
 
     def allowed(self) -> torch.Tensor:
         """bool [V]: the tokens the grammar allows next."""
-        words = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
-        bits = (words.unsqueeze(1) >> torch.arange(32, dtype=torch.int32)) & 1
-        return bits.flatten()[: self.grammar.vocab_size].bool()
+        bias = torch.frombuffer(bytearray(self.matcher.compute_logit_bias()), dtype=torch.uint8)  # a byte a token
+        return bias[: self.grammar.vocab_size] != 0
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [V] with every forbidden token at -inf."""
@@ -102,6 +101,25 @@ class Constraint:
         if not self.matcher.consume_token(int(token)) or self.matcher.is_error():
             raise KvexportError(f"{self.grammar.what}: token {token} broke the grammar "
                                 f"({_short(self.matcher.get_error())})")
+
+
+NUMBER_STEP = 1e-6  # a number without its own multipleOf is written to at most 6 decimals
+
+
+def _finite_numbers(schema: Any) -> Any:
+    """The schema with every number that has no multipleOf given one of
+    NUMBER_STEP: JSON allows a number endless digits, and a sampled model
+    may write them until it runs out of tokens. What validates against the
+    result validates against the schema."""
+    if isinstance(schema, list):
+        return [_finite_numbers(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _finite_numbers(value) for key, value in schema.items()}
+    kind = schema.get("type")
+    if (kind == "number" or (isinstance(kind, list) and "number" in kind)) and "multipleOf" not in schema:
+        out["multipleOf"] = NUMBER_STEP
+    return out
 
 
 def _tokenizer(text, vocab_size: int, eos_ids: frozenset[int]):

@@ -149,3 +149,26 @@ def test_openai_response_format_is_parsed_or_refused():
     for bad in ({"type": "xml"}, {"type": "json_schema", "json_schema": "nope"}):
         with pytest.raises(api.ApiError, match="response_format"):
             api.parse_chat({**body, "response_format": bad})
+
+
+def test_serve_answers_a_json_schema_and_refuses_a_bad_one(package):
+    """Over HTTP (completions with response_format, as vLLM and llama.cpp's
+    servers take it): the text validates; a schema the engine refuses is a
+    400 that names response_format."""
+    from test_serve import KEY, Server
+
+    server = Server(package, "--api-key", KEY, "--speculative", "lookup")
+    try:
+        schema = SCHEMAS[0]
+        body = {"prompt": "someone", "max_tokens": 80, "temperature": 0,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}}
+        status, _, raw = server.post("/v1/completions", body)
+        reply = json.loads(raw)
+        assert status == 200, reply
+        jsonschema.validate(json.loads(reply["choices"][0]["text"]), schema)
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nope"}}}
+        status, _, raw = server.post("/v1/completions", body)
+        reply = json.loads(raw)
+        assert status == 400 and reply["error"]["param"] == "response_format" and "schema" in reply["error"]["message"]
+    finally:
+        assert server.stop() == 0, "".join(server.log)
