@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 import torch
 
 from kvexport.contract.errors import CapacityError, KvexportError
+from kvexport.contract.package import TOKENIZER_DIR
 from kvexport.contract.sampler import SamplingConfig, draw, params_row, probabilities
 from kvexport.runtime.offgraph import OffgraphKVManager, Session, StepEntry
 
@@ -94,15 +95,19 @@ def check_draft(target: OffgraphKVManager, draft: OffgraphKVManager | None) -> N
             f"the draft package's vocabulary has {draft.vocab_size} tokens, the target's {target.vocab_size}: "
             "a draft must share the target's tokenizer"
         )
-    ours, theirs = _tokenizer_digest(target), _tokenizer_digest(draft)
+    ours, theirs = _tokenizer_digests(target), _tokenizer_digests(draft)
     if ours != theirs:
-        raise KvexportError("the draft package's tokenizer differs from the target's: a draft must share it")
+        differ = sorted(name for name in ours.keys() | theirs.keys() if ours.get(name) != theirs.get(name))
+        raise KvexportError(f"the draft package's tokenizer differs from the target's ({', '.join(differ)}): "
+                            "a draft must share it")
 
 
-def _tokenizer_digest(manager: OffgraphKVManager) -> str | None:
+def _tokenizer_digests(manager: OffgraphKVManager) -> dict[str, str]:
+    """The digest of each of the package's tokenizer files but the chat
+    template (which changes no token's id); none without a tokenizer."""
     files = manager.package.manifest.get("files", {})
-    entry = files.get("tokenizer.json")
-    return entry.get("sha256") if entry else None
+    return {name: entry.get("sha256") for name, entry in files.items()
+            if name.startswith(f"{TOKENIZER_DIR}/") and not name.endswith(".jinja")}
 
 
 class NgramIndex:

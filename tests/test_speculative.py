@@ -216,13 +216,13 @@ def test_a_draft_must_speak_the_targets_tokens(tiny_package):
     target = runtime_of(tiny_package, "tiny-llama")
 
     def stub(vocab, tokenizer_sha=None):
-        files = {"tokenizer.json": {"sha256": tokenizer_sha}} if tokenizer_sha else {}
+        files = {"tokenizer/tokenizer.json": {"sha256": tokenizer_sha}} if tokenizer_sha else {}
         return SimpleNamespace(batches_sessions=True, vocab_size=vocab, package=SimpleNamespace(manifest={"files": files}))
 
     check_draft(target, stub(target.vocab_size))
     with pytest.raises(KvexportError, match="vocabulary has 7 tokens"):
         check_draft(target, stub(7))
-    with pytest.raises(KvexportError, match="tokenizer differs"):
+    with pytest.raises(KvexportError, match=r"tokenizer differs from the target's \(tokenizer/tokenizer.json\)"):
         check_draft(target, stub(target.vocab_size, "ab" * 32))
 
 

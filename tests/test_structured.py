@@ -172,3 +172,26 @@ def test_serve_answers_a_json_schema_and_refuses_a_bad_one(package):
         assert status == 400 and reply["error"]["param"] == "response_format" and "schema" in reply["error"]["message"]
     finally:
         assert server.stop() == 0, "".join(server.log)
+
+
+def test_a_draft_with_another_tokenizer_is_refused(package):
+    """The draft check reads the manifest's own entries for the tokenizer
+    folder: the same package passes, one whose tokenizer.json digest differs
+    is refused by name, and its chat template alone may differ."""
+    import copy
+    from types import SimpleNamespace
+
+    from kvexport.runtime.speculative import check_draft
+
+    target = load(package)
+    check_draft(target, target)
+
+    def edited(suffix):
+        manifest = copy.deepcopy(target.package.manifest)
+        name = next(n for n in manifest["files"] if n.endswith(suffix))
+        manifest["files"][name]["sha256"] = "0" * 64
+        return SimpleNamespace(batches_sessions=True, vocab_size=target.vocab_size,
+                               package=SimpleNamespace(manifest=manifest))
+
+    with pytest.raises(KvexportError, match="tokenizer differs.*tokenizer/tokenizer.json"):
+        check_draft(target, edited("tokenizer.json"))
