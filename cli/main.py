@@ -370,16 +370,12 @@ def generate(
     """Generate from PACKAGE for one or more prompts, batched as concurrent sessions."""
     from kvexport.runtime import SamplingConfig, load
     from kvexport.runtime import generate as run_generate
-    from kvexport.runtime.speculative import Speculation
+    from kvexport.runtime.speculative import Speculation, resolve_mode
     from kvexport.runtime.text import TextStream
 
     if not prompts and not prompt_ids:
         raise KvexportError("nothing to generate for: pass --prompt TEXT or --prompt-ids 1,2,3")
-    mode = speculative or ("draft" if draft_package is not None else "off")
-    if mode == "draft" and draft_package is None:
-        raise KvexportError("--speculative draft needs a draft package: add --draft PKG")
-    if mode != "draft" and draft_package is not None:
-        raise KvexportError(f"--draft drafts only with --speculative draft (not {mode})")
+    mode = resolve_mode(speculative, draft_package is not None, max_draft)
     options = {"max_cells": max_cells} if max_cells is not None else {}
     runtime = load(package, trust_native_code=trust_native_code, expect_digest=expect_digest, **options)
     speculation = None

@@ -84,6 +84,19 @@ class Speculation:
             raise KvexportError("a draft package drafts only with --speculative draft")
 
 
+def resolve_mode(speculative: str | None, draft_given: bool, max_draft: int) -> str:
+    """The mode the CLI's --speculative, --draft and --max-draft ask for:
+    draft with a draft package, else off, unless --speculative says."""
+    mode = speculative or ("draft" if draft_given else "off")
+    if mode == "draft" and not draft_given:
+        raise KvexportError("--speculative draft needs a draft package: add --draft PKG")
+    if mode != "draft" and draft_given:
+        raise KvexportError(f"--draft drafts only with --speculative draft (not {mode})")
+    if max_draft < 1:
+        raise KvexportError(f"--max-draft must be at least 1, got {max_draft}")
+    return mode
+
+
 def check_draft(target: OffgraphKVManager, draft: OffgraphKVManager | None) -> None:
     """A draft package must batch sessions and speak the target's tokens."""
     if draft is None:

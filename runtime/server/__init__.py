@@ -50,6 +50,7 @@ def serve(
 
     from kvexport.runtime.server.app import ServerState, create_app, start_loading
     from kvexport.runtime.server.engine import Engine
+    from kvexport.runtime.speculative import resolve_mode
 
     if grace_seconds < 0:
         raise KvexportError(f"--grace-seconds must be >= 0, got {grace_seconds}")
@@ -58,13 +59,7 @@ def serve(
     engine_options = dict(max_sessions=max_sessions, max_queue=max_queue, max_step_tokens=max_step_tokens,
                           prefix_cache_cells=prefix_cache_cells)
     Engine.check_options(**engine_options)
-    speculative = speculative or ("draft" if draft is not None else "off")
-    if speculative == "draft" and draft is None:
-        raise KvexportError("--speculative draft needs a draft package: add --draft PKG")
-    if speculative != "draft" and draft is not None:
-        raise KvexportError(f"--draft drafts only with --speculative draft (not {speculative})")
-    if max_draft < 1:
-        raise KvexportError(f"--max-draft must be at least 1, got {max_draft}")
+    speculative = resolve_mode(speculative, draft is not None, max_draft)
     sock = _bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     url = f"http://{bound_host if ':' not in bound_host else f'[{bound_host}]'}:{bound_port}"

@@ -395,8 +395,7 @@ def load_engine(state: ServerState, package, *, trust_native_code: bool, expect_
         from kvexport.runtime.speculative import Speculation
 
         draft_runtime = load(draft, trust_native_code=trust_native_code) if draft is not None else None
-        speculation = Speculation(speculative, draft=draft_runtime, max_draft=max_draft)
-        speculation.check(runtime)
+        speculation = Speculation(speculative, draft=draft_runtime, max_draft=max_draft)  # the Engine checks it
         stats = speculation.stats
         state.metrics.watch("kvexport_speculative_drafted_tokens", "Tokens drafted (prompt lookup or the draft package)",
                             lambda: stats.drafted)
