@@ -22,6 +22,8 @@ def contents(cache: CellCache) -> dict[int, list[tuple[int, float]]]:
 
 
 def test_make_room_keeps_every_sequence_and_packs_the_steps_cells_low():
+    """Random steps, clones, releases and rewinds: moves are invisible, a
+    step reads its own cells, and place gives the lowest free ones."""
     rng = random.Random(0)
     cache = CellCache(CacheGeometry((1, 1), (2, 2), (0, 0)), max_cells=400, dtype=torch.float32,
                       max_context_len=300, initial_cells=8)
@@ -34,12 +36,15 @@ def test_make_room_keeps_every_sequence_and_packs_the_steps_cells_low():
             if len(live) < 10:
                 cache.new_sequence()
             continue
-        if action < 0.25:
+        if action < 0.32:
             seq = rng.choice(live)
-            if rng.random() < 0.5:
+            if action < 0.25 and rng.random() < 0.5:
                 cache.release(seq)
-            elif len(live) < 10:
+            elif action < 0.25 and len(live) < 10:
                 cache.clone(seq, rng.randint(0, cache.next_pos[seq]))
+            elif action >= 0.25:
+                cache.rewind(seq, rng.randint(0, cache.next_pos[seq]))
+            assert not bool(cache.owners[cache.high:].any())  # bookkeeping reads only below high
             continue
         step = rng.sample(live, rng.randint(1, min(3, len(live))))
         counts = {seq: rng.randint(1, 12) for seq in step}
@@ -50,7 +55,12 @@ def test_make_room_keeps_every_sequence_and_packs_the_steps_cells_low():
         moved_total += cache.make_room(set(counts), sum(counts.values()))
         assert contents(cache) == before  # moving is invisible to every sequence
         seqs = [s for s, n in counts.items() for _ in range(n)]
+        free = cache.owners == 0
+        free[SCRATCH_CELL] = False
+        lowest = torch.nonzero(free).squeeze(1)[: len(seqs)]
         cells, _ = cache.place(seqs)
+        assert torch.equal(cells, lowest)  # the lowest free cells, above high too
+        assert not bool(cache.owners[cache.high:].any())
         pools = cache.views(cache.read_len(set(counts)))
         for cell in cells.tolist():
             pools[0][cell, 0, 0] = stamp
