@@ -22,6 +22,10 @@
 using namespace kv;
 
 constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead the weight rows are fetched into L2
+// tiles of fewer input rows leave the weights to the hardware prefetcher: over
+// one row the software prefetch made a SmolLM2 step's products 15-30% slower
+// on an AVX-512 AMD EPYC (bench/packed_kernel.py), over 8 rows 1.5 x faster
+constexpr int PREFETCH_FROM_ROWS = 2;
 constexpr int64_t BAND = 64;           // weight rows a thread takes at a time
 constexpr int MR_MAX = REGISTERS == 32 ? 8 : 4;
 
@@ -43,7 +47,7 @@ static inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, floa
 #pragma GCC unroll 8
     for (int j = 0; j < NR; j++) {
       wv[j] = load(w + j * K + k);
-      prefetch_l2(ahead + j * K + k);
+      if constexpr (MR >= PREFETCH_FROM_ROWS) prefetch_l2(ahead + j * K + k);
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) {
