@@ -4,6 +4,7 @@ under the same streamed chat load, in one command:
     python bench/serve.py [--package PKG] [--requests 64] [--clients 16 | --rate R]
                           [--prefix-turns] [--conversations 3] [--omp-passive]
     python bench/serve.py --soak SECONDS [--package PKG]
+    python bench/serve.py --speculative lookup|draft [--draft PKG] [--package PKG]
 
 What it starts, one server at a time (each is killed at the end, Ctrl-C too):
 
@@ -35,6 +36,12 @@ a step (kvexport_engine_overhead_seconds over it plus kvexport_step_seconds,
 from /metrics, over the main load only); the CPU, the thread count and the
 load average (other work on the machine skews every figure). Then the JSON
 via `emit`, like the other bench scripts.
+
+`--speculative MODE` (with `--draft PKG` for `draft`) compares kvexport serve
+with itself instead of with llama-server: the same load with speculation off
+and on, at `--clients` clients and at one (`--single-requests` requests), and
+prints the aggregate throughput ratio on/off and the single client's
+inter-token latency and request time ratios off/on.
 
 `--prefix-turns` adds conversations (3, --conversations) whose second turn
 carries a ~1,500-token history, one request at a time on fresh servers: turn
@@ -590,6 +597,28 @@ def wait_until(condition: Callable[[], bool], seconds: float) -> None:
         time.sleep(0.2)
 
 
+# ------------------------------------------------------------------ speculation
+def speculation_comparison(pkg: Path, args: argparse.Namespace) -> dict:
+    """The same load on kvexport serve with speculation off and on, at
+    args.clients clients and at one."""
+    modes = {"off": ["--speculative", "off"],
+             args.speculative: ["--speculative", args.speculative, *(["--draft", args.draft] if args.draft else [])]}
+    out: dict = {"mode": args.speculative, "draft": args.draft}
+    for label, clients, requests in (("loaded", args.clients, args.requests), ("single", 1, args.single_requests)):
+        load = argparse.Namespace(**{**vars(args), "clients": clients, "requests": requests, "rate": None})
+        for mode, flags in modes.items():
+            with kvexport_server(pkg, args, *flags) as server:
+                out[f"{label}_{mode}"] = measure(server, load)
+    on, off = out[f"loaded_{args.speculative}"], out["loaded_off"]
+    single_on, single_off = out[f"single_{args.speculative}"], out["single_off"]
+    out["throughput_ratio_on_over_off"] = round(on["output_tokens_per_s"] / off["output_tokens_per_s"], 3)
+    # one client, every request 64 tokens: its rate is the inverse of a request's time
+    out["single_request_time_ratio_off_over_on"] = round(single_on["output_tokens_per_s"] / single_off["output_tokens_per_s"], 3)
+    out["single_itl_p50_ratio_off_over_on"] = (round(single_off["itl_ms_p50"] / single_on["itl_ms_p50"], 3)
+                                               if single_on["itl_ms_p50"] else None)
+    return out
+
+
 # ------------------------------------------------------------------ report
 def show(result: dict) -> None:
     """The figures a reader wants first, on stderr (stdout carries the JSON)."""
@@ -612,6 +641,15 @@ def show(result: dict) -> None:
         lines.append(f"turn-2 TTFT (1,500-token history): cache on {p['kvexport_cache_on']['turn2_ttft_ms_median']} ms, "
                      f"off {p['kvexport_cache_off']['turn2_ttft_ms_median']} ms: off/on {p['ttft_ratio_off_over_on']}; "
                      f"llama-server {p.get('llama-server', {}).get('turn2_ttft_ms_median')} ms")
+    if "speculation" in result:
+        sp = result["speculation"]
+        for key in ("loaded_off", f"loaded_{sp['mode']}", "single_off", f"single_{sp['mode']}"):
+            r = sp[key]
+            lines.append(f"{key:>16}: {r['output_tokens_per_s']:7.1f} tok/s  ITL p50/p99 {r['itl_ms_p50']}/{r['itl_ms_p99']} ms  "
+                         f"ok {r['requests_ok']} failed {r['requests_failed']}")
+        lines.append(f"speculation {sp['mode']}: throughput on/off {sp['throughput_ratio_on_over_off']} at {result['clients']} clients; "
+                     f"one client's request time off/on {sp['single_request_time_ratio_off_over_on']}, "
+                     f"ITL p50 off/on {sp['single_itl_p50_ratio_off_over_on']}")
     if "soak" in result:
         s = result["soak"]
         lines.append(f"soak: {s['requests']} requests ({s['completed']} completed, {s['dropped']} dropped, {s['timed_out']} timed out, "
@@ -634,6 +672,9 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=3)
     parser.add_argument("--soak", type=float, metavar="SECONDS", help="only the soak of kvexport serve, this long")
     parser.add_argument("--trust-native-code", action="store_true", help="passed to kvexport serve (a --package not trusted here)")
+    parser.add_argument("--speculative", choices=["lookup", "draft"], help="compare kvexport serve with this speculation against it off")
+    parser.add_argument("--draft", help="the draft package for --speculative draft")
+    parser.add_argument("--single-requests", type=int, default=8, help="requests of the one-client half of --speculative")
     parser.add_argument("--omp-passive", action="store_true",
                         help="OMP_WAIT_POLICY=passive for both servers: on a shared machine spinning threads collapse")
     args = parser.parse_args()
@@ -641,7 +682,13 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     signal.signal(signal.SIGINT, signal.default_int_handler)
     pkg = package(args.package)
-    result: dict = {"cpu": cpu_model(), "threads": args.threads, "omp_passive": args.omp_passive, "package": str(pkg)}
+    result: dict = {"cpu": cpu_model(), "threads": args.threads, "omp_passive": args.omp_passive, "package": str(pkg),
+                    "clients": args.clients}
+    if args.speculative:
+        result["speculation"] = speculation_comparison(pkg, args)
+        show(result)
+        emit(result)
+        return
     if args.soak is not None:
         with kvexport_server(pkg, args) as server:
             result["soak"] = soak(server, args.soak)

@@ -276,7 +276,7 @@ def test_the_engine_with_a_draft_package(tiny_package):
     draft = load(tiny_package("tiny-llama", qlinear="8w", qembedding="8w"))
     prompts = [prompt_of(5 + 9 * i, seed=30 + i) for i in range(3)]
     want = [generate(OffgraphKVManager(package), [p], 20)[0] for p in prompts]
-    speculation = Speculation("draft", draft=draft)
+    speculation = Speculation("draft", draft=draft, step_tokens=12)  # drafts while decoders fill at most half a step
     engine = Engine(OffgraphKVManager(package), None, max_sessions=3, speculation=speculation)
     try:
         sinks = run_all(engine, [GenerationRequest(p, 20) for p in prompts])
@@ -289,7 +289,42 @@ def test_the_engine_with_a_draft_package(tiny_package):
         assert once[0].tokens() == again[0].tokens() and len(once[0].tokens()) == 12
     finally:
         engine.shutdown()
-    assert draft.cache.next_pos == {}  # every draft session went with its request
+    # every draft session went with its request, or is kept in the draft's prefix cache
+    assert set(draft.cache.next_pos) == {h.session.seq for h in engine.draft_prefix.holders.values() if h.cached}
+
+
+def test_draft_sessions_share_prompt_prefixes(tiny_package):
+    """A second request sharing a long prefix with a finished one clones the
+    draft's cells of that prefix instead of prefilling it again; the tokens
+    are still plain greedy decoding's, and every draft holder's cells hold
+    its tokens."""
+    from kvexport.runtime import OffgraphKVManager
+    from kvexport.runtime.server.engine import Engine, GenerationRequest
+    from kvexport.runtime.server.prefix_cache import BLOCK_TOKENS
+    from test_engine import run_all
+
+    package = load(tiny_package("tiny-llama")).package
+    draft = load(tiny_package("tiny-llama", qlinear="8w", qembedding="8w"))
+    shared = prompt_of(3 * BLOCK_TOKENS + 5, seed=41)
+    prompts = [shared + prompt_of(4, seed=42), shared + prompt_of(7, seed=43)]
+    want = [generate(OffgraphKVManager(package), [p], 16)[0] for p in prompts]
+    engine = Engine(OffgraphKVManager(package), None, max_sessions=2, speculation=Speculation("draft", draft=draft))
+    fed = []
+    step = draft.step
+    draft.step = lambda entries: fed.append(sum(len(e.tokens) for e in entries)) or step(entries)
+    try:
+        first = run_all(engine, [GenerationRequest(prompts[0], 16)])
+        fed_first, fed[:] = sum(fed), []
+        second = run_all(engine, [GenerationRequest(prompts[1], 16)])
+        assert [first[0].tokens(), second[0].tokens()] == want
+        assert engine.draft_prefix.hit_tokens >= 3 * BLOCK_TOKENS
+        assert sum(fed) <= fed_first - 3 * BLOCK_TOKENS + 3  # the shared prefix was not fed to the draft again
+        for holder in engine.draft_prefix.holders.values():
+            assert holder.session.length <= len(holder.tokens)
+            if holder.cached:
+                assert holder.session.length == len(holder.tokens)
+    finally:
+        engine.shutdown()
 
 
 def test_serve_refuses_speculation_it_cannot_do(tiny_package):

@@ -121,6 +121,7 @@ class _Choice:
     finished: bool = False
     last_token_time: float = 0.0
     drafting: Drafting | None = None  # with speculative decoding
+    draft_holder: Holder | None = None  # with a draft package: its session, in the draft's prefix cache
     constraint: Constraint | None = None  # with a grammar
 
     @property
@@ -200,6 +201,9 @@ class Engine:
         self.max_queue = max_queue
         self.max_step_tokens = max_step_tokens
         self.prefix = PrefixCache(manager, prefix_cache_cells)
+        # the draft package's sessions share prompt prefixes the same way: a
+        # draft otherwise prefills every prompt whole before its first draft
+        self.draft_prefix = PrefixCache(self.draft, prefix_cache_cells) if self.draft is not None else None
         self.on_step = on_step
         self.on_token_times = on_token_times  # (time to first token, inter-token gap), seconds
         self.context = manager.cache.max_context_len
@@ -356,9 +360,30 @@ class Engine:
                 self.prefix.forget(choice.holder)
                 self.manager.release(choice.session)
 
-    def _drop_draft(self, choice: _Choice) -> None:
-        if choice.drafting is not None and choice.drafting.draft_session is not None and choice.drafting.draft_session.live:
-            self.draft.release(choice.drafting.draft_session)
+    def _drop_draft(self, choice: _Choice, finished: bool = False) -> None:
+        """Ends a choice's draft session: a finished one's is kept in the
+        draft's prefix cache, a cancelled or failed one's released."""
+        holder, choice.draft_holder = choice.draft_holder, None
+        if holder is None or not holder.session.live:
+            return
+        if not finished:
+            self.draft_prefix.forget(holder)
+            self.draft.release(holder.session)
+            return
+        if holder.session.length > len(holder.tokens):  # drafts past what was delivered
+            self.draft.rewind(holder.session, len(holder.tokens))
+        self.draft_prefix.retire(holder)
+
+    def _draft_session(self, choice: _Choice, prompt: list[int]) -> None:
+        """A draft session for the choice, holding the longest prefix of the
+        prompt the draft's cached sessions share (cloned: nothing is copied)."""
+        while len(self.draft.cache.next_pos) >= MAX_SEQUENCES and self.draft_prefix.evict_one():
+            pass
+        holder, matched = self.draft_prefix.lookup(prompt)
+        session = self.draft.clone(holder.session, matched) if holder is not None else self.draft.new_session()
+        choice.drafting.draft_session, choice.drafting.draft_fed = session, matched
+        # the holder's tokens are the drafting context itself: the draft's cells hold its first session.length
+        choice.draft_holder = self.draft_prefix.hold(session, choice.drafting.context.tokens)
 
     # ---------------------------------------------------------- admission
     def _free_cells(self) -> int:
@@ -418,7 +443,7 @@ class Engine:
         if spec is not None and job.request.logprobs is None:  # logprobs come from the plain path's rows
             choice.drafting = Drafting(NgramIndex(job.request.prompt, spec.ngram), generator, width=min(4, spec.max_draft))
             if self.draft is not None:
-                choice.drafting.draft_session = self.draft.new_session()
+                self._draft_session(choice, list(job.request.prompt))
         return choice
 
     # --------------------------------------------------------------- step
@@ -492,9 +517,18 @@ class Engine:
         if self.speculation is None or not due:
             return [[] for _ in due], [None] * len(due)
         drafting = [(k, job, choice) for k, (job, choice) in enumerate(due) if choice.drafting is not None]
+        if self.draft is not None and 2 * len(due) > self.draft_width:
+            # a draft package's steps cost time of their own: under load they
+            # cost more than the few drafts the step has room for bring
+            # (bench/serve.py --speculative draft: 16 clients 0.925 x plain)
+            return [[] for _ in due], [None] * len(due)
         states = [choice.drafting for _, _, choice in drafting]
         room = [job.request.max_tokens - len(choice.output) - 1 for _, job, choice in drafting]
         allowed = allot(states, room, self.draft_width - (len(due) - len(drafting)))
+        if self.draft is not None:  # room in the draft's pool for what its sessions lack and draft
+            need = sum(len(s.context.tokens) - s.draft_fed + k for s, k in zip(states, allowed) if k)
+            while self.draft.cache.free_cells < need and self.draft_prefix.evict_one():
+                pass
         got, got_q = propose(states, allowed, self.draft, [job.request.sampling for _, job, _ in drafting])
         drafts: list[list[int]] = [[] for _ in due]
         qs: list[torch.Tensor | None] = [None] * len(due)
@@ -522,6 +556,8 @@ class Engine:
                 self._deliver(job, choice, token, None, now)
                 if choice.finished:
                     break
+            if choice.draft_holder is not None:  # its cells hold delivered tokens only now
+                self.draft_prefix.update(choice.draft_holder)
         return model_seconds
 
     def _fork(self, job: _Job) -> None:
@@ -576,7 +612,7 @@ class Engine:
             choice.pending = token
             return
         choice.finished = True
-        self._drop_draft(choice)
+        self._drop_draft(choice, finished=True)
         job.sink(Finished(choice.index, reason))
         self.prefix.retire(choice.holder)
         if all(c.finished for c in job.choices) and len(job.choices) == request.n:
