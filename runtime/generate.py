@@ -12,7 +12,7 @@ from kvexport.contract.errors import CapacityError, KvexportError
 from kvexport.runtime.offgraph import OffgraphKVManager, StepEntry, check_token_ids
 from kvexport.contract.sampler import SamplingConfig, params_row
 from kvexport.runtime.single_sequence import SingleSequenceManager
-from kvexport.runtime.grammar import Grammar
+from kvexport.runtime.grammar import Grammar, apply_masks
 from kvexport.runtime.speculative import Speculation, generate_speculative
 
 TokenCallback = Callable[[int, int], None]  # (prompt index, token id)
@@ -65,10 +65,9 @@ def generate(
         sessions = [manager.new_session() for _ in prompts]
         while active:
             logits = manager.step([StepEntry(sessions[i], pending[i], True) for i in active])
-            if constraints is not None:
-                logits = [constraints[i].apply(row) for i, row in zip(active, logits)]
+            rows = apply_masks([constraints[i] for i in active] if constraints is not None else [], logits)
             params = torch.tensor([params_row(sampling, generators[i]) for i in active], dtype=torch.float32)
-            drawn = manager.sample(torch.stack(logits), params, on_device=on_device_sampler).tolist()
+            drawn = manager.sample(rows, params, on_device=on_device_sampler).tolist()
             still = []
             for i, token in zip(active, drawn):
                 if constraints is not None:

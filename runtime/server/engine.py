@@ -35,7 +35,7 @@ from kvexport.runtime.cell_cache import MAX_SEQUENCES
 from kvexport.runtime.offgraph import OffgraphKVManager, Session, StepEntry, check_token_ids
 from kvexport.runtime.server.prefix_cache import Holder, PrefixCache
 from kvexport.runtime.server.state import restore_sessions, save_sessions
-from kvexport.runtime.grammar import Constraint, Grammar
+from kvexport.runtime.grammar import Constraint, Grammar, apply_masks
 from kvexport.runtime.speculative import Drafting, NgramIndex, Speculation, allot, propose, settle, verify
 from kvexport.runtime.text import StopMatcher, Text, TextStream
 
@@ -569,7 +569,7 @@ class Engine:
             job.choices.append(self._choice(job, index, holder))
 
     def _sample(self, rows: list[tuple[_Job, _Choice, torch.Tensor]]) -> tuple[list[int], list[TokenLogprob | None]]:
-        logits = torch.stack([row if choice.constraint is None else choice.constraint.apply(row) for _, choice, row in rows])
+        logits = apply_masks([choice.constraint for _, choice, _ in rows], [row for _, _, row in rows])
         params = torch.tensor([params_row(job.request.sampling, choice.generator) for job, choice, _ in rows],
                               dtype=torch.float32)
         drawn = self.manager.sample(logits, params).tolist()
