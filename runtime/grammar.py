@@ -111,8 +111,6 @@ def allowed_tokens(constraints: Sequence[Constraint]) -> torch.Tensor:
     """bool [len(constraints), V]: the tokens each allows next, computed
     together on llguidance's thread pool (one at a time, the masks of 8
     sessions took a tenth of a decode step, bench/structured.py)."""
-    import llguidance.torch as llg_torch
-
     vocab = constraints[0].grammar.vocab_size
     if any(c.grammar.vocab_size != vocab for c in constraints):
         raise ValueError("constraints of one batch share a vocabulary")
@@ -120,7 +118,10 @@ def allowed_tokens(constraints: Sequence[Constraint]) -> torch.Tensor:
         _EXECUTOR.append(_llguidance().LLExecutor(min(len(os.sched_getaffinity(0)), 8)))
     # bit t % 32 of word t // 32: token t allowed; in little-endian bytes, bit t % 8 of byte t // 8
     words = torch.full((len(constraints), (vocab + 31) // 32), -1, dtype=torch.int32)
-    llg_torch.fill_next_token_bitmask_par(_EXECUTOR[0], [(c.matcher, i) for i, c in enumerate(constraints)], words)
+    # what llguidance.torch.fill_next_token_bitmask_par does, without importing that module (which
+    # defines torch.compile'd and torch.jit code on import); `words` is ours, contiguous, on the CPU
+    _EXECUTOR[0].unsafe_compute_mask_ptr([(c.matcher, i) for i, c in enumerate(constraints)], words.data_ptr(),
+                                         words.shape[1] * 4, len(constraints))
     octets = words.view(torch.uint8)
     if sys.byteorder == "big":
         octets = octets.unflatten(1, (-1, 4)).flip(-1).flatten(1)

@@ -9,6 +9,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 from click.testing import CliRunner
 
 from helpers import export_tiny
@@ -95,6 +96,29 @@ def test_refused_grammars_say_why(package):
         Grammar.regex(text, "a(b", runtime.vocab_size, runtime.eos_ids)
     with pytest.raises(GrammarError, match="no tokenizer"):
         Grammar.json_object(None, runtime.vocab_size, runtime.eos_ids)
+
+
+def test_batched_masks_are_each_matchers_own(package):
+    """The masks of several sessions at once (llguidance's bitmask, unpacked
+    here) equal each matcher's own byte-per-token answer, at every state of
+    a walk through the grammar; unconstrained rows keep their logits."""
+    from kvexport.runtime.grammar import allowed_tokens, apply_masks
+
+    runtime = load(package)
+    grammar = Grammar.json_schema(runtime.package.tokenizer(), SCHEMAS[0], runtime.vocab_size, runtime.eos_ids)
+    constraints = [grammar.constraint() for _ in range(3)]
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(12):
+        masks = allowed_tokens(constraints)
+        for constraint, mask in zip(constraints, masks):
+            own = torch.frombuffer(bytearray(constraint.matcher.compute_logit_bias()), dtype=torch.uint8)
+            assert torch.equal(mask, own[: runtime.vocab_size] != 0)
+        logits = torch.randn(4, runtime.vocab_size, generator=generator)
+        masked = apply_masks([constraints[0], None, constraints[1], constraints[2]], logits)
+        assert torch.equal(masked[1], logits[1]) and torch.equal(masked[0] > -torch.inf, masks[0])
+        for constraint, row in zip(constraints, masked[[0, 2, 3]]):
+            if not constraint.matcher.is_stopped():
+                constraint.advance(int(torch.argmax(row)))
 
 
 def test_cli_json_schema_and_regex(package, tmp_path):
