@@ -2,7 +2,7 @@
 batch 1, 8 sequences aggregated, and a 512-token prompt, for llama.cpp F32,
 BF16, Q8_0 and Q4_0 and for the packages given.
 
-    python bench/llamacpp.py [--package fp32-aoti=PKG ...] [--model smollm2-135m]
+    python bench/llamacpp.py [--package fp32-aoti=PKG ...] [--model smollm2-135m] [--rounds 3]
 
 llama.cpp is built from the vendored tree of the `llama-cpp-python==0.3.36`
 sdist (fetched from the package registry; CMake, CPU only, -march=native),
@@ -137,18 +137,30 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--package", action="append", default=[], help="LABEL=PKG, measured beside llama.cpp")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure everything this many times, alternating llama.cpp and the packages, and keep "
+                             "each figure's best: a VM's speed drifts within minutes, and one pass compares a fast "
+                             "minute with a slow one")
     parser.add_argument("--omp-passive", action="store_true",
                         help="OMP_WAIT_POLICY=passive for llama.cpp: on a shared machine its spinning threads collapse")
     args = parser.parse_args()
     root = cache_dir() / f"llama.cpp-{VERSION}"
     tree = build(root)
-    result = {"cpu": cpu_model(), "threads": args.threads, "llama.cpp": {}}
-    for kind, gguf in models(tree, root, args.model).items():
-        result["llama.cpp"][kind] = llama_rates(tree, gguf, args.threads, args.omp_passive)
-    for item in args.package:
-        label, _, path = item.partition("=")
-        result[label] = ours(Path(path))
+    result = {"cpu": cpu_model(), "threads": args.threads, "rounds": args.rounds, "llama.cpp": {}}
+    ggufs = models(tree, root, args.model)
+    for _ in range(args.rounds):
+        for kind, gguf in ggufs.items():
+            keep_best(result["llama.cpp"].setdefault(kind, {}), llama_rates(tree, gguf, args.threads, args.omp_passive))
+        for item in args.package:
+            label, _, path = item.partition("=")
+            keep_best(result.setdefault(label, {}), ours(Path(path)))
     emit(result)
+
+
+def keep_best(best: dict, rates: dict) -> None:
+    """Each rate's highest so far (every figure here is tokens/s)."""
+    for key, value in rates.items():
+        best[key] = max(best.get(key, value), value)
 
 
 if __name__ == "__main__":
