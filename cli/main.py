@@ -382,8 +382,8 @@ def generate(
     if mode != "off":
         draft = load(draft_package, trust_native_code=trust_native_code) if draft_package is not None else None
         speculation = Speculation(mode, draft=draft, max_draft=max_draft)
-    grammar = _grammar(runtime, json_schema, regex)
     text = runtime.package.tokenizer() if prompts or runtime.package.manifest.get("tokenizer") else None
+    grammar = _grammar(runtime, text, json_schema, regex)
     ids = [text.encode(p, chat=not raw) for p in prompts] + [_parse_ids(p) for p in prompt_ids]
     sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
     stream = TextStream(text) if text is not None and len(ids) == 1 and not as_json else None
@@ -412,15 +412,15 @@ def generate(
             click.echo(f"--- output {i} ---\n{escape_lines(body)}")
 
 
-def _grammar(runtime, json_schema: Path | None, regex: str | None):
-    """The grammar --json-schema or --regex asks for (None without either)."""
+def _grammar(runtime, text, json_schema: Path | None, regex: str | None):
+    """The grammar --json-schema or --regex asks for (None without either),
+    over `text`, the package's tokenizer (None: it has none)."""
     from kvexport.runtime.grammar import Grammar
 
     if json_schema is not None and regex is not None:
         raise KvexportError("--json-schema and --regex: pass one of them")
     if json_schema is None and regex is None:
         return None
-    text = runtime.package.tokenizer() if runtime.package.manifest.get("tokenizer") else None
     if json_schema is not None:
         try:
             schema = json_schema.read_text()

@@ -65,7 +65,7 @@ def generate(
         sessions = [manager.new_session() for _ in prompts]
         while active:
             logits = manager.step([StepEntry(sessions[i], pending[i], True) for i in active])
-            rows = apply_masks([constraints[i] for i in active] if constraints is not None else [], logits)
+            rows = apply_masks([constraints[i] for i in active] if constraints is not None else [None] * len(active), logits)
             params = torch.tensor([params_row(sampling, generators[i]) for i in active], dtype=torch.float32)
             drawn = manager.sample(rows, params, on_device=on_device_sampler).tolist()
             still = []

@@ -83,6 +83,11 @@ class Speculation:
         elif self.draft is not None:
             raise KvexportError("a draft package drafts only with --speculative draft")
 
+    def step_width(self, target: OffgraphKVManager) -> int:
+        """The widest step drafts may fill: `step_tokens`, else the target's
+        widest static method."""
+        return self.step_tokens or max(target.static_sizes, default=target.widest)
+
 
 def resolve_mode(speculative: str | None, draft_given: bool, max_draft: int) -> str:
     """The mode the CLI's --speculative, --draft and --max-draft ask for:
@@ -288,15 +293,14 @@ def generate_speculative(
     speculation: Speculation,
 ) -> list[list[int]]:
     """`generate` with drafts (see the module's docstring); called by
-    `generate`, which has checked the prompts and the admission."""
-    speculation.check(manager)
+    `generate`, which has checked the speculation, the prompts and the admission."""
     draft = speculation.draft if speculation.mode == "draft" else None
     if draft is not None:
         _check_draft_room(draft, prompts, max_new_tokens)
     outputs: list[list[int]] = [[] for _ in prompts]
     if max_new_tokens == 0:
         return outputs
-    width = speculation.step_tokens or max(manager.static_sizes, default=manager.widest)
+    width = speculation.step_width(manager)
     tracks: list[_Track] = []
     try:
         for i, prompt in enumerate(prompts):

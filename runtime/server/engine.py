@@ -193,8 +193,7 @@ class Engine:
         self.speculation = speculation
         self.draft = speculation.draft if speculation is not None and speculation.mode == "draft" else None
         # drafts fill a step up to the widest static method, never past it
-        self.draft_width = (speculation.step_tokens if speculation is not None and speculation.step_tokens
-                            else max(manager.static_sizes, default=manager.widest))
+        self.draft_width = speculation.step_width(manager) if speculation is not None else 0
         self.manager = manager
         self.text = text
         self.max_sessions = max_sessions
@@ -516,12 +515,12 @@ class Engine:
         logprobs requests, or when the decoding choices fill the step)."""
         if self.speculation is None or not due:
             return [[] for _ in due], [None] * len(due)
-        drafting = [(k, job, choice) for k, (job, choice) in enumerate(due) if choice.drafting is not None]
         if self.draft is not None and 2 * len(due) > self.draft_width:
             # a draft package's steps cost time of their own: under load they
             # cost more than the few drafts the step has room for bring
             # (bench/serve.py --speculative draft: 16 clients 0.925 x plain)
             return [[] for _ in due], [None] * len(due)
+        drafting = [(k, job, choice) for k, (job, choice) in enumerate(due) if choice.drafting is not None]
         states = [choice.drafting for _, _, choice in drafting]
         room = [job.request.max_tokens - len(choice.output) - 1 for _, job, choice in drafting]
         allowed = allot(states, room, self.draft_width - (len(due) - len(drafting)))
