@@ -153,7 +153,8 @@ class PrefixCache:
         bits = sequence_mask(h.session.seq for h in self.holders.values() if h.cached)
         if bits == 0:
             return 0
-        owners = self.manager.cache.owners
+        cache = self.manager.cache
+        owners = cache.owners[: cache.high]  # no cell above is owned; the engine asks after every step
         return int((((owners & bits) != 0) & ((owners & ~bits) == 0)).sum())
 
     def trim(self) -> None:
