@@ -9,7 +9,8 @@ rows, in one run:
   --qact int8 stores them), the latter on both builds of the int8 kernel
   where the CPU has VNNI (maddubs, vnni);
 - the same products on the row kernel with the fp32 weights, and the BLAS;
-  on the row kernel with bf16 weights (widened to fp32 in registers);
+  on the row kernel with bf16 rows and weights, both of its builds (widened
+  to fp32 in registers: shift; vdpbf16ps where the CPU has AVX512-BF16: dot);
 - the streaming-read rate (bench/floor.py's `sum`), and each form's bytes
   over it: the floor a step cannot beat.
 
@@ -81,10 +82,14 @@ def int8_call(x, data, scale, offset, bits, products):
     return direct(f"int8_linear_{products}", x, k, data, scale, offset, out, m, n, k, scale.shape[1], bits)
 
 
-def rows_call(x, weight):
+def rows_call(x, weight, products: str = ""):
+    """The row kernel over x and weight, both fp32 or both bf16 (x rounded
+    to bf16 for a bf16 weight, as the compiled code's rows are); products:
+    the bf16 build, shift or dot."""
+    x = x.to(weight.dtype)
     (m, k), n = x.shape, weight.shape[0]
-    out = build.rows_linear(x, weight)
-    kernel = {torch.float32: "rows_linear", torch.bfloat16: "rows_linear_bf16"}[weight.dtype]
+    out = build.rows_linear(x, weight, products=products)
+    kernel = "_".join(filter(None, ("rows_linear" if weight.dtype == torch.float32 else "rows_linear_bf16", products)))
     return direct(kernel, x, k, weight, out, m, n, k)
 
 
@@ -136,7 +141,9 @@ def main() -> None:
             row[f"{name} ({products})"] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),
                                            "floor_ms": round(nbytes / (read["best_gbps"] * 1e9) * 1e3, 2)}
         floats = [("fp32, row kernel", fp32, xs, rows_call), ("fp32, BLAS", fp32, xs, lambda x, w: lambda: F.linear(x, w)),
-                  ("bf16, row kernel", bf16, xs, rows_call)]
+                  ("bf16, row kernel (shift)", bf16, xs, lambda x, w: rows_call(x, w, "shift"))]
+        if build.has_bf16_dot():
+            floats.append(("bf16, row kernel (dot)", bf16, xs, lambda x, w: rows_call(x, w, "dot")))
         for name, ws, inputs, call in floats:
             seconds = step_seconds([call(inputs[w.shape[1]], w) for w in ws], args.repeats)
             row[name] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),

@@ -96,19 +96,36 @@ def test_rows_linear(isa, shims, rows, out_features, width, row_stride):
     torch.testing.assert_close(shims.call("rows_linear", x, weight), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows,out_features,width,row_stride", [c for c in ROWS_CASES if c[0] in (1, 3, 8, 9, 16)])
-def test_rows_linear_reads_bf16_weights(isa, shims, rows, out_features, width, row_stride):
-    """A bf16 weight multiplies in fp32 exactly as its fp32 widening would;
-    the shim takes bf16 rows and rounds the result to bf16 as torch does."""
+BF16_PRODUCTS = {isa: ["shift", "dot"] if build.has_bf16_dot(isa) else ["shift"] for isa in ISAS}
+
+
+@pytest.mark.parametrize("rows,out_features,width,row_stride", [c for c in ROWS_CASES if c[0] in (1, 3, 8, 9, 16)]
+                         + [(2, 33, 47, 0), (4, 17, 130, 150), (8, 9, 31, 0)])
+def test_rows_linear_reads_bf16(isa, shims, rows, out_features, width, row_stride):
+    """bf16 rows by a bf16 weight sum their exact products in fp32 (widened,
+    or vdpbf16ps pairs where the CPU has AVX512-BF16: odd widths end in a
+    half pair); the shim rounds the result to bf16 as torch does."""
     x, weight = rows_operands(rows, out_features, width, row_stride)
-    weight = weight.bfloat16()
+    x, weight = x.bfloat16(), weight.bfloat16()
     out = torch.full((rows, out_features), float("nan"))
-    assert_float_sum(build.rows_linear(x, weight, out=out, isa=isa), x, weight.double())
-    x16 = x.bfloat16()
-    got = shims.call("rows_linear", x16, weight)
-    want = torch.nn.functional.linear(x16.float(), weight.float())
+    assert_float_sum(build.rows_linear(x, weight, out=out, isa=isa), x.double(), weight.double())
+    for products in BF16_PRODUCTS[isa]:
+        assert_float_sum(build.rows_linear(x, weight, isa=isa, products=products), x.double(), weight.double())
+    got = shims.call("rows_linear", x, weight)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=8e-3, atol=1e-2)
+    assert torch.equal(got, build.rows_linear(x, weight, isa=isa).bfloat16())
+
+
+@pytest.mark.compile
+def test_the_bf16_kernel_runs_vdpbf16ps_where_the_cpu_has_it(isa):
+    """The entry compiled code calls is the vdpbf16ps build on a CPU with
+    AVX512-BF16 (its sums in another order than the widened build's), else
+    the widened one."""
+    x, weight = (t.bfloat16() for t in rows_operands(5, 131, 96))
+    entry = build.rows_linear(x, weight, isa=isa)
+    assert torch.equal(entry, build.rows_linear(x, weight, isa=isa, products=BF16_PRODUCTS[isa][-1]))
+    if len(BF16_PRODUCTS[isa]) == 2:
+        assert not torch.equal(entry, build.rows_linear(x, weight, isa=isa, products="shift"))
 
 
 # ------------------------------------------------------ masked attention
@@ -244,6 +261,11 @@ def int8_operands(bits: int, rows: int, out_features: int, width: int, groups: i
 INT8_CASES = [(b, r, n, k, gr, 0) for b in (4, 8) for r in (1, 2, 3, 4, 5, 8, 9, 16)
               for n, k, gr in ((64, 64, 2), (131, 96, 1), (5, 64, 1), (33, 576, 18))]
 INT8_CASES += [(4, 6, 40, 128, 2, 200), (8, 3, 7, 64, 2, 70), (4, 1, 1, 32, 1, 0)]
+# the panel tiling (8 rows across the lanes, from 8 rows): a panel pair and a
+# lone panel, a part-filled last panel, more panels than one chunk, strided rows
+INT8_CASES += [(b, r, n, k, gr, 0) for b in (4, 8) for r in (17, 40, 137)
+               for n, k, gr in ((64, 64, 2), (131, 96, 1), (5, 64, 1))]
+INT8_CASES += [(4, 12, 40, 128, 2, 200), (8, 24, 7, 64, 2, 70)]
 
 
 @pytest.mark.parametrize("bits,rows,out_features,width,groups,row_stride", INT8_CASES)

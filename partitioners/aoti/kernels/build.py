@@ -53,6 +53,7 @@ FILES = (*MATH, SHIMS, HERE / "vec.h", HERE / "signatures.py")  # everything a b
 LIBRARY = "kvexport_kernels"
 ISAS = ("avx2", "avx512")
 VNNI_FLAGS = {"avx2": "-mavxvnni", "avx512": "-mavx512vnni"}  # the VNNI of each build: AVX-VNNI, AVX512-VNNI
+BF16_FLAGS = {"avx2": [], "avx512": ["-mavx512bf16"]}  # vdpbf16ps: AVX512-BF16 (an AVX2 build has no bf16 products)
 
 
 def supported() -> bool:
@@ -83,22 +84,35 @@ def archive_dir() -> Path:
     return _build("archive")
 
 
-def rows_linear(x, weight, out=None, isa: str | None = None):
-    """fp32 x [M, K] (unit stride along K) @ weight [N, K] (contiguous, fp32
-    or bf16).T on the rows_linear kernel (built for `isa`, inductor's by
-    default), into fp32 out [M, N] (contiguous) when given."""
+def rows_linear(x, weight, out=None, isa: str | None = None, products: str = ""):
+    """x [M, K] (unit stride along K) @ weight [N, K] (contiguous).T, both
+    fp32 or both bf16, on the rows_linear kernel (built for `isa`, inductor's
+    by default), into fp32 out [M, N] (contiguous) when given. products, for
+    bf16: "" as compiled code runs it (vdpbf16ps where the CPU has it),
+    "shift" or "dot" (see has_bf16_dot) for that build alone."""
     import torch
 
     (m, k), n = x.shape, weight.shape[0]
-    out = x.new_empty(m, n) if out is None else out
-    if not (x.dtype == out.dtype == torch.float32 and weight.dtype in (torch.float32, torch.bfloat16)
+    out = x.new_empty(m, n, dtype=torch.float32) if out is None else out
+    if not (x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16) and out.dtype == torch.float32
             and weight.shape[1] == k and x.stride(1) == 1 and weight.is_contiguous() and out.is_contiguous()
             and tuple(out.shape) == (m, n)):
-        raise ValueError("rows_linear takes fp32 x [M, K] with unit stride along K, a contiguous fp32 or bf16 "
-                         "weight [N, K] and fp32 out [M, N]")
-    kernel = ROWS_LINEAR if weight.dtype == torch.float32 else ROWS_LINEAR_BF16
-    shared_kernel(isa)[kernel.name](x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), m, n, k)
+        raise ValueError("rows_linear takes x [M, K] with unit stride along K and a contiguous weight [N, K], both "
+                         "fp32 or both bf16, and fp32 out [M, N]")
+    if products not in ("", "shift", "dot") or (products and x.dtype == torch.float32):
+        raise ValueError(f"rows_linear's bf16 products are shift or dot, not {products!r}")
+    kernel = ROWS_LINEAR.name if x.dtype == torch.float32 else "_".join(filter(None, (ROWS_LINEAR_BF16.name, products)))
+    shared_kernel(isa)[kernel](x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), m, n, k)
     return out
+
+
+def has_bf16_dot(isa: str | None = None) -> bool:
+    """Whether this CPU has AVX512-BF16 and rows_linear's build for `isa`
+    can call it (AVX-512 builds only)."""
+    try:
+        return (isa or _isa()) == "avx512" and "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
 
 
 def masked_attention(query, key, value, mask, scale: float, out=None, isa: str | None = None):
@@ -156,6 +170,15 @@ def has_vnni(isa: str | None = None) -> bool:
         return flag in Path("/proc/cpuinfo").read_text().split()
     except OSError:
         return False
+
+
+def dynamic_int8_bits(isa: str | None = None) -> tuple[int, ...]:
+    """The code widths whose int8 products over many rows (prefill slices)
+    the int8 kernel computes faster than the BLAS in fp32 here: 4-bit codes
+    always, 8-bit ones with VNNI (maddubs' int16 sums cannot take 8-bit
+    codes as they are, and its workaround costs as much as fp32 FMAs;
+    bench/packed_kernel.py --rows 512)."""
+    return (4, 8) if has_vnni(isa) else (4,)
 
 
 def int8_linear(x, data, scale, offset, bits: int, out=None, isa: str | None = None, products: str = ""):
@@ -231,10 +254,13 @@ def _arch_flags(isa: str | None) -> list[str]:
 def _units(isa: str | None) -> list[tuple[Path, list[str], str]]:
     """Each compile of the math: (source, its own flags, object name).
     int8_linear.cpp compiles twice, the second time with VNNI's integer dot
-    products (vpdpbusd), which its first build's entry calls where the CPU
-    has them: a package built here runs on a CPU without them too."""
-    vnni = VNNI_FLAGS[isa or _isa()]
-    return [*((source, [], source.stem) for source in MATH), (HERE / "int8_linear.cpp", ["-DKV_VNNI", vnni], "int8_linear_vnni")]
+    products (vpdpbusd), and rows_linear.cpp twice, the second time with
+    AVX512-BF16's vdpbf16ps (AVX-512 builds): each first build's entry calls
+    the second where the CPU has its instructions, so a package built here
+    runs on a CPU without them too."""
+    vnni, bf16 = VNNI_FLAGS[isa or _isa()], BF16_FLAGS[isa or _isa()]
+    return [*((source, [], source.stem) for source in MATH), (HERE / "int8_linear.cpp", ["-DKV_VNNI", vnni], "int8_linear_vnni"),
+            (HERE / "rows_linear.cpp", ["-DKV_BF16", *bf16], "rows_linear_bf16_dot")]
 
 
 def _commands(kind: str, isa: str | None, out: Path, objects: Path | None) -> list[list[str]]:

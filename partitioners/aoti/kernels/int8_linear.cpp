@@ -14,9 +14,19 @@
 // multiply each row's sum of xq over a group, computed once a call.
 //
 // 4-bit codes are unpacked in registers (a mask and a shift of 16 bytes make
-// the block's 32 unsigned bytes). A register tile of MR rows by LT weight
-// rows unpacks each block once for the MR rows. A thread walks its own band
-// of weight rows.
+// the block's 32 unsigned bytes). A thread walks its own band of weight rows.
+//
+// Two tilings. Over a few rows (fewer than PANEL_FROM_ROWS), a register tile
+// of MR rows by LT weight rows: each vector holds 8 lanes of one block's
+// products for one (row, weight row) pair, so every block ends in a convert,
+// a scale and an FMA per pair, and the lanes are summed at the end. Over more
+// rows (8 sessions, prefill slices) the rows go across the lanes instead: x's
+// codes are laid out in panels of 8 rows, each 4 codes of a row side by side
+// (32 bytes a column of 4 codes), and one dot product takes 4 codes of a weight
+// row broadcast to every lane against 4 codes of each of the panel's 8 rows.
+// Eight of them finish a block for 8 rows at once, exact in int32, and the
+// block's convert, scale and FMA serve all 8: about twice the products per
+// instruction of the first tiling, and of fp32 FMAs.
 //
 // This file compiles twice (build.py). Built plain, the products are
 // maddubs then madd (AVX2): 8-bit codes, unsigned, are flipped to code - 128
@@ -42,6 +52,11 @@ constexpr int BLOCK = 32;
 constexpr int MR_MAX = REGISTERS == 32 ? 8 : 4;
 constexpr int LT = 4;  // weight rows per tile for one or two rows; half as many for more
 constexpr int64_t PREFETCH_ROWS = 4;  // how far ahead weight rows are fetched into L2
+constexpr int PANEL = 8;           // rows across the lanes of the panel tiling
+constexpr int64_t PANEL_FROM_ROWS = 8;  // the panel tiling from this many rows (bench/packed_kernel.py)
+constexpr int PT = REGISTERS == 32 ? 2 : 1;  // panels per register tile
+constexpr int PL = REGISTERS == 32 ? 4 : 2;  // weight rows per panel tile
+constexpr int64_t CHUNK_PANELS = 16;  // panels a thread takes per pass over its weight rows (kept in L2)
 // the same fp32 constants as int8_rows' (a double rounded to float, as torch rounds a Python scalar)
 const float INV_127 = (float)(1.0 / 127.0);
 const float SMALLEST_TOP = (float)1e-30;
@@ -55,36 +70,67 @@ struct Rows {
   std::vector<float> steps, sums;
 };
 
+// block b of row p (32 floats at p): its codes as 32 bytes in K order, its
+// step, and the sum of its codes (exact)
+inline ivec block_codes(const float* p, float& step, int32_t& sum) {
+  const vec sign = broadcast(-0.0f);
+  const ivec order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const vec v[4] = {load(p), load(p + 8), load(p + 16), load(p + 24)};
+  vec top = max(max(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                max(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  const float largest = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+  step = (largest > SMALLEST_TOP ? largest : SMALLEST_TOP) * INV_127;
+  const vec s = broadcast(step);
+  ivec q[4];
+  for (int i = 0; i < 4; i++)
+    q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(v[i], s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const ivec pairs = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+  sum = _mm_cvtsi128_si32(t);
+  return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+                                     order);
+}
+
 Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups) {
   const int64_t blocks = K / BLOCK, per_group = blocks / groups;
   Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * groups, 0.0f)};
-  const vec sign = broadcast(-0.0f);
-  const ivec order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t m = 0; m < M; m++)
     for (int64_t b = 0; b < blocks; b++) {
-      const float* p = x + m * ldx + b * BLOCK;
-      const vec v[4] = {load(p), load(p + 8), load(p + 16), load(p + 24)};
-      vec top = max(max(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                    max(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-      __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-      half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-      const float largest = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
-      const float step = (largest > SMALLEST_TOP ? largest : SMALLEST_TOP) * INV_127;
-      const vec s = broadcast(step);
-      ivec q[4];
-      for (int i = 0; i < 4; i++)
-        q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(v[i], s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      // the sum of the block's codes, exact in int32
-      const ivec pairs = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
-      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-      const ivec bytes = _mm256_permutevar8x32_epi32(
-          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+      float step;
+      int32_t sum;
+      const ivec bytes = block_codes(x + m * ldx + b * BLOCK, step, sum);
       _mm256_storeu_si256((ivec*)(r.codes.data() + m * K + b * BLOCK), bytes);
       r.steps[m * blocks + b] = step;
-      r.sums[m * groups + b / per_group] += step * (float)_mm_cvtsi128_si32(t);
+      r.sums[m * groups + b / per_group] += step * (float)sum;
     }
+  return r;
+}
+
+// x's rows in panels of PANEL rows (the last one padded with zero rows):
+// codes [panels, blocks, 8 quads, PANEL rows, 4], steps [panels, blocks,
+// PANEL] and sums of step * codes [panels, groups, PANEL]
+Rows quantize_panels(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups) {
+  const int64_t blocks = K / BLOCK, per_group = blocks / groups, panels = (M + PANEL - 1) / PANEL;
+  Rows r{std::vector<int8_t>(panels * PANEL * K, 0), std::vector<float>(panels * blocks * PANEL, 0.0f),
+         std::vector<float>(panels * groups * PANEL, 0.0f)};
+#pragma omp parallel for if (M >= 4 * PANEL)
+  for (int64_t m = 0; m < M; m++) {
+    const int64_t p = m / PANEL, lane = m % PANEL;
+    for (int64_t b = 0; b < blocks; b++) {
+      float step;
+      int32_t sum;
+      alignas(32) int32_t quads[BLOCK / 4];
+      _mm256_store_si256((ivec*)quads, block_codes(x + m * ldx + b * BLOCK, step, sum));
+      int32_t* column = (int32_t*)(r.codes.data() + (p * blocks + b) * PANEL * BLOCK) + lane;
+      for (int q = 0; q < BLOCK / 4; q++) column[q * PANEL] = quads[q];
+      r.steps[(p * blocks + b) * PANEL + lane] = step;
+      r.sums[(p * groups + b / per_group) * PANEL + lane] += step * (float)sum;
+    }
+  }
   return r;
 }
 
@@ -209,9 +255,156 @@ void columns(const Rows& r, const uint8_t* data, const float* scale, const float
   }
 }
 
+// ---- the panel tiling: 8 rows across the lanes
+
+// acc + 4 unsigned weight codes (the same in every lane) times 4 codes of each
+// lane's row, summed per lane, exact
+inline ivec dot4(ivec acc, ivec w, ivec x) {
+#ifdef KV_VNNI
+  return dot_u8s8(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+// a weight row's codes of one block, ready to broadcast 4 at a time: 4 bits
+// unpacked in registers (low nibbles: codes 0-15, high: 16-31, in both halves)
+template <int BITS>
+struct BlockCodes {
+  ivec low, high;
+  const uint8_t* bytes;
+  inline void read(const uint8_t* row, int64_t b) {
+    if constexpr (BITS == 4) {
+      const ivec both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(row + b * (BLOCK / 2))));
+      low = _mm256_and_si256(both, _mm256_set1_epi8(15));
+      high = _mm256_and_si256(_mm256_srli_epi16(both, 4), _mm256_set1_epi8(15));
+    } else {
+      bytes = row + b * BLOCK;
+    }
+  }
+  // codes 4Q..4Q+3 in every lane
+  template <int Q>
+  inline ivec quad() const {
+    if constexpr (BITS == 4) {
+      return _mm256_shuffle_epi32(Q < 4 ? low : high, (Q % 4) * 0x55);
+    } else {
+      int32_t four;
+      __builtin_memcpy(&four, bytes + 4 * Q, 4);
+      return _mm256_set1_epi32(four);
+    }
+  }
+};
+
+// panels p0..p0+T by weight rows n0..n0+L; a weight given once per group
+// (ONE_GROUP) is scaled once at the end
+template <int BITS, int T, int L, bool ONE_GROUP, int Q = 0>
+inline void quads(const BlockCodes<BITS> (&w)[L], const int8_t* codes, int64_t panel_bytes, ivec (&dots)[T][L]) {
+  if constexpr (Q < BLOCK / 4) {
+    ivec xs[T];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) xs[t] = _mm256_loadu_si256((const ivec*)(codes + t * panel_bytes + Q * 32));
+#pragma GCC unroll 8
+    for (int j = 0; j < L; j++) {
+      const ivec wq = w[j].template quad<Q>();
+#pragma GCC unroll 4
+      for (int t = 0; t < T; t++) dots[t][j] = dot4(dots[t][j], wq, xs[t]);
+    }
+    quads<BITS, T, L, ONE_GROUP, Q + 1>(w, codes, panel_bytes, dots);
+  }
+}
+
+template <int BITS, int T, int L, bool ONE_GROUP>
+inline void panel_tile(const Rows& r, const uint8_t* data, const float* scale, const float* offset, int64_t p0,
+                       int64_t n0, int64_t M, int64_t K, int64_t groups, bool prefetch, float* out, int64_t N) {
+  static_assert(BITS == 4 || VNNI, "8-bit codes take the panel tiling only with VNNI");
+  const int64_t blocks = K / BLOCK, per_group = blocks / groups, row_bytes = K * BITS / 8;
+  const int64_t panel_bytes = blocks * PANEL * BLOCK;
+  const uint8_t* weights = data + n0 * row_bytes;
+  vec acc[T][L];
+  clear(acc);
+  for (int64_t b = 0; b < blocks; b++) {
+    BlockCodes<BITS> w[L];
+#pragma GCC unroll 8
+    for (int j = 0; j < L; j++) {
+      w[j].read(weights + j * row_bytes, b);
+      if (prefetch) prefetch_l2(weights + (j + PREFETCH_ROWS) * row_bytes + b * (BLOCK * BITS / 8));
+    }
+    ivec dots[T][L];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++)
+#pragma GCC unroll 8
+      for (int j = 0; j < L; j++) dots[t][j] = _mm256_setzero_si256();
+    quads<BITS, T, L, ONE_GROUP>(w, r.codes.data() + (p0 * blocks + b) * PANEL * BLOCK, panel_bytes, dots);
+    const int64_t g = b / per_group;
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) {
+      const vec steps = load(r.steps.data() + ((p0 + t) * blocks + b) * PANEL);
+#pragma GCC unroll 8
+      for (int j = 0; j < L; j++) {
+        const vec s = ONE_GROUP ? steps : mul(steps, broadcast(scale[(n0 + j) * groups + g]));
+        acc[t][j] = fma(_mm256_cvtepi32_ps(dots[t][j]), s, acc[t][j]);
+      }
+    }
+  }
+  alignas(32) float lanes[PANEL];
+  for (int j = 0; j < L; j++) {
+    const int64_t n = n0 + j;
+    for (int t = 0; t < T; t++) {
+      vec total = ONE_GROUP ? mul(acc[t][j], broadcast(scale[n * groups])) : acc[t][j];
+      for (int64_t g = 0; g < groups; g++)
+        total = fma(broadcast(offset[n * groups + g]), load(r.sums.data() + ((p0 + t) * groups + g) * PANEL), total);
+      store(lanes, total);
+      const int64_t m0 = (p0 + t) * PANEL;
+      for (int i = 0; i < PANEL && m0 + i < M; i++) out[(m0 + i) * N + n] = lanes[i];
+    }
+  }
+}
+
+// panels c0..c1 by weight rows n0..n0+L
+template <int BITS, int L, bool ONE_GROUP>
+void panel_column(const Rows& r, const uint8_t* data, const float* scale, const float* offset, int64_t c0, int64_t c1,
+                  int64_t n0, int64_t M, int64_t K, int64_t groups, float* out, int64_t N) {
+  int64_t p = c0;
+  for (; p + PT <= c1; p += PT)
+    panel_tile<BITS, PT, L, ONE_GROUP>(r, data, scale, offset, p, n0, M, K, groups, p == c0, out, N);
+  for (; p < c1; p++) panel_tile<BITS, 1, L, ONE_GROUP>(r, data, scale, offset, p, n0, M, K, groups, p == c0, out, N);
+}
+
+template <int BITS, bool ONE_GROUP>
+void product_panels(const float* x, int64_t ldx, const uint8_t* data, const float* scale, const float* offset,
+                    float* out, int64_t M, int64_t N, int64_t K, int64_t groups) {
+  const Rows r = quantize_panels(x, ldx, M, K, groups);
+  const int64_t panels = (M + PANEL - 1) / PANEL, bands = (N + PL - 1) / PL;
+#pragma omp parallel
+  {
+    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t first = bands * me / threads, last = bands * (me + 1) / threads;
+    // a chunk of panels stays in L2 while the thread's weight rows pass by it
+    for (int64_t c0 = 0; c0 < panels; c0 += CHUNK_PANELS) {
+      const int64_t c1 = c0 + CHUNK_PANELS < panels ? c0 + CHUNK_PANELS : panels;
+      for (int64_t t = first; t < last; t++) {
+        const int64_t n0 = t * PL;
+        if (n0 + PL <= N) {
+          panel_column<BITS, PL, ONE_GROUP>(r, data, scale, offset, c0, c1, n0, M, K, groups, out, N);
+        } else {
+          for (int64_t n = n0; n < N; n++)
+            panel_column<BITS, 1, ONE_GROUP>(r, data, scale, offset, c0, c1, n, M, K, groups, out, N);
+        }
+      }
+    }
+  }
+}
+
+// ---- the row tiling
+
 template <int BITS>
 void product(const float* x, int64_t ldx, const uint8_t* data, const float* scale, const float* offset, float* out,
              int64_t M, int64_t N, int64_t K, int64_t groups) {
+  if constexpr (BITS == 4 || VNNI) {
+    if (M >= PANEL_FROM_ROWS)
+      return groups == 1 ? product_panels<BITS, true>(x, ldx, data, scale, offset, out, M, N, K, groups)
+                         : product_panels<BITS, false>(x, ldx, data, scale, offset, out, M, N, K, groups);
+  }
   const Rows rows = quantize(x, ldx, M, K, groups);
   const int64_t bands = (N + LT - 1) / LT;
 #pragma omp parallel

@@ -1,8 +1,8 @@
-// Products of a few fp32 rows by an fp32 or bf16 weight matrix,
-// out[m, n] = sum_k x[m, k] * w[n, k] in fp32, for AOTInductor packages on x86
-// CPUs (build.py builds it; the compiled methods call it through its shim in
-// shims.cpp, which converts a bf16 product's rows and result). A bf16 weight
-// is read as bf16, half the bytes, and widened in registers (a shift).
+// Products of a few rows by a weight matrix, out[m, n] = sum_k x[m, k] *
+// w[n, k] accumulated in fp32, for AOTInductor packages on x86 CPUs (build.py
+// builds it; the compiled methods call it through its shim in shims.cpp):
+// fp32 rows by an fp32 weight, or bf16 rows by a bf16 weight (read as bf16,
+// half the bytes; the shim rounds the result to bf16 as torch's linear does).
 //
 // Why not the BLAS: over 2-16 rows a step is bound by reading the weights once,
 // but the BLAS's small-row GEMM reads them at half the memory's rate or less
@@ -10,6 +10,13 @@
 // of weight rows once; a register tile of MR input rows by NR weight rows does
 // MR x NR vector FMAs per MR + NR loads, and the weight rows 8 rows ahead
 // are prefetched into L2, so the reads overlap the arithmetic.
+//
+// bf16 products: widened in registers (a shift) and multiplied by fp32 FMAs,
+// 8 products an instruction; or, in this file's second build (KV_BF16, for
+// CPUs with AVX512-BF16, which the first build's entry calls where the CPU
+// has it), by vdpbf16ps: 16 products of bf16 pairs an instruction, each pair
+// summed into an fp32 lane. Both products of bf16 values are exact in fp32;
+// the two builds differ only in the order of the fp32 sums.
 //
 // The instruction set is the compiled package's (the build passes inductor's
 // own -m flags); the tiles are sized by its vector registers (vec.h).
@@ -36,11 +43,11 @@ constexpr int weight_rows() {
 }
 
 // MR rows of x (stride ldx) by NR rows of w (stride K) into out (stride N)
-template <int MR, int NR, typename W>
-static inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, float* out, int64_t N) {
+template <int MR, int NR, typename T>
+static inline void tile(const T* x, int64_t ldx, const T* w, int64_t K, float* out, int64_t N) {
   vec acc[MR][NR];
   clear(acc);
-  const W* ahead = w + PREFETCH_ROWS * K;
+  const T* ahead = w + PREFETCH_ROWS * K;
   int64_t k = 0;
   for (; k + LANES <= K; k += LANES) {
     vec wv[NR];
@@ -69,17 +76,64 @@ static inline void tile(const float* x, int64_t ldx, const W* w, int64_t K, floa
     for (int j = 0; j < NR; j++) out[i * N + j] = total(acc[i][j]);
 }
 
+#if defined(KV_BF16) && defined(__AVX512BF16__)
+// the same over bf16 rows and weight rows with vdpbf16ps: 16 products a vector
+// (8 pairs), the last K % 16 loaded masked
+template <int MR, int NR>
+static inline void tile_dot(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* out, int64_t N) {
+  vec acc[MR][NR];
+  clear(acc);
+  const uint16_t* ahead = w + PREFETCH_ROWS * K;
+  int64_t k = 0;
+  for (; k + 2 * LANES <= K; k += 2 * LANES) {
+    __m256bh wv[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; j++) {
+      wv[j] = (__m256bh)_mm256_loadu_si256((const __m256i*)(w + j * K + k));
+      if constexpr (MR >= PREFETCH_FROM_ROWS) prefetch_l2(ahead + j * K + k);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) {
+      const __m256bh xv = (__m256bh)_mm256_loadu_si256((const __m256i*)(x + i * ldx + k));
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; j++) acc[i][j] = _mm256_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  if (k < K) {
+    const __mmask16 rest = (__mmask16)((1u << (K - k)) - 1);
+    __m256bh wv[NR];
+    for (int j = 0; j < NR; j++) wv[j] = (__m256bh)_mm256_maskz_loadu_epi16(rest, w + j * K + k);
+    for (int i = 0; i < MR; i++) {
+      const __m256bh xv = (__m256bh)_mm256_maskz_loadu_epi16(rest, x + i * ldx + k);
+      for (int j = 0; j < NR; j++) acc[i][j] = _mm256_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < NR; j++) out[i * N + j] = total(acc[i][j]);
+}
+constexpr bool DOT = true;
+#else
+template <int MR, int NR>
+static inline void tile_dot(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t) {}
+constexpr bool DOT = false;
+#endif
+
 // MR rows of x by weight rows [n0, n1)
-template <int MR, typename W>
-static void band(const float* x, int64_t ldx, const W* w, int64_t K, float* out, int64_t N, int64_t n0, int64_t n1) {
+template <int MR, typename T>
+static void band(const T* x, int64_t ldx, const T* w, int64_t K, float* out, int64_t N, int64_t n0, int64_t n1) {
   constexpr int NR = weight_rows<MR>();
   int64_t n = n0;
-  for (; n + NR <= n1; n += NR) tile<MR, NR>(x, ldx, w + n * K, K, out + n, N);
-  for (; n < n1; n++) tile<MR, 1>(x, ldx, w + n * K, K, out + n, N);
+  if constexpr (DOT && sizeof(T) == 2) {
+    for (; n + NR <= n1; n += NR) tile_dot<MR, NR>(x, ldx, w + n * K, K, out + n, N);
+    for (; n < n1; n++) tile_dot<MR, 1>(x, ldx, w + n * K, K, out + n, N);
+  } else {
+    for (; n + NR <= n1; n += NR) tile<MR, NR>(x, ldx, w + n * K, K, out + n, N);
+    for (; n < n1; n++) tile<MR, 1>(x, ldx, w + n * K, K, out + n, N);
+  }
 }
 
-template <int MR, typename W>
-static void band_of(int rows, const float* x, int64_t ldx, const W* w, int64_t K, float* out, int64_t N, int64_t n0,
+template <int MR, typename T>
+static void band_of(int rows, const T* x, int64_t ldx, const T* w, int64_t K, float* out, int64_t N, int64_t n0,
                     int64_t n1) {
   if constexpr (MR > 1) {
     if (rows < MR) return band_of<MR - 1>(rows, x, ldx, w, K, out, N, n0, n1);
@@ -87,8 +141,8 @@ static void band_of(int rows, const float* x, int64_t ldx, const W* w, int64_t K
   band<MR>(x, ldx, w, K, out, N, n0, n1);
 }
 
-template <typename W>
-static void product(const float* x, int64_t ldx, const W* w, float* out, int64_t M, int64_t N, int64_t K) {
+template <typename T>
+static void product(const T* x, int64_t ldx, const T* w, float* out, int64_t M, int64_t N, int64_t K) {
 #pragma omp parallel
   {
     // an even share of the weight rows per thread, in whole groups of 8, walked
@@ -106,12 +160,26 @@ static void product(const float* x, int64_t ldx, const W* w, float* out, int64_t
 }
 
 // x: [M, K] with row stride ldx; w: [N, K] contiguous; out: [M, N] contiguous
+#ifdef KV_BF16
+void kvexport_rows_linear_bf16_dot(const uint16_t* x, int64_t ldx, const uint16_t* w, float* out, int64_t M, int64_t N,
+                                   int64_t K) {
+  product(x, ldx, w, out, M, N, K);
+}
+#else
 void kvexport_rows_linear(const float* x, int64_t ldx, const float* w, float* out, int64_t M, int64_t N, int64_t K) {
   product(x, ldx, w, out, M, N, K);
 }
 
-// the same with w in bf16 (its raw 16-bit values)
-void kvexport_rows_linear_bf16(const float* x, int64_t ldx, const uint16_t* w, float* out, int64_t M, int64_t N,
-                               int64_t K) {
+// the same with x and w in bf16 (their raw 16-bit values)
+void kvexport_rows_linear_bf16_shift(const uint16_t* x, int64_t ldx, const uint16_t* w, float* out, int64_t M, int64_t N,
+                                     int64_t K) {
   product(x, ldx, w, out, M, N, K);
 }
+
+// the vdpbf16ps build where this CPU has it (and the package's build can hold it)
+void kvexport_rows_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, float* out, int64_t M, int64_t N,
+                               int64_t K) {
+  static const bool dot = has_bf16_dot();
+  (dot ? kvexport_rows_linear_bf16_dot : kvexport_rows_linear_bf16_shift)(x, ldx, w, out, M, N, K);
+}
+#endif

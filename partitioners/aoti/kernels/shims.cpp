@@ -246,11 +246,10 @@ extern "C" AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTen
   if (M > 0 && N > 0 && a.dtype == aoti_torch_dtype_float32()) {
     kvexport_rows_linear((const float*)a.data, M > 1 ? a.strides[0] : K, (const float*)w.data, (float*)out_data, M, N,
                          K);
-  } else if (M > 0 && N > 0) {  // bf16: the few rows widened to fp32, the weight read as bf16, the result rounded
-    std::vector<float> rows(M * K), result(M * N);
-    for (int64_t m = 0; m < M; m++)
-      for (int64_t k = 0; k < K; k++) rows[m * K + k] = from_bf16(((const uint16_t*)a.data)[m * a.strides[0] + k]);
-    kvexport_rows_linear_bf16(rows.data(), K, (const uint16_t*)w.data, result.data(), M, N, K);
+  } else if (M > 0 && N > 0) {  // bf16: rows and weight read as bf16, summed in fp32, the result rounded
+    std::vector<float> result(M * N);
+    kvexport_rows_linear_bf16((const uint16_t*)a.data, M > 1 ? a.strides[0] : K, (const uint16_t*)w.data,
+                              result.data(), M, N, K);
     for (int64_t i = 0; i < M * N; i++) ((uint16_t*)out_data)[i] = to_bf16(result[i]);
   }
   *ret0 = out;

@@ -52,10 +52,13 @@ ROWS_LINEAR = Kernel(
 )
 ROWS_LINEAR_BF16 = Kernel(
     "rows_linear_bf16",
-    # rows_linear with w in bf16 (raw 16-bit values); rows_linear's shim calls it for bf16 operands
-    math=("const float* x", "int64_t ldx", "const uint16_t* w", "float* out", "int64_t M", "int64_t N", "int64_t K"),
+    # rows_linear with x and w in bf16 (raw 16-bit values), out fp32; rows_linear's shim calls it for bf16 operands
+    math=("const uint16_t* x", "int64_t ldx", "const uint16_t* w", "float* out", "int64_t M", "int64_t N", "int64_t K"),
     shim=None,
 )
+# rows_linear_bf16's two builds (kernels/build.py): its entry calls the vdpbf16ps one where the CPU has AVX512-BF16
+ROWS_LINEAR_BF16_SHIFT = Kernel("rows_linear_bf16_shift", math=ROWS_LINEAR_BF16.math, shim=None)
+ROWS_LINEAR_BF16_DOT = Kernel("rows_linear_bf16_dot", math=ROWS_LINEAR_BF16.math, shim=None)
 MASKED_ATTENTION = Kernel(
     "masked_attention",
     # q [H, T, D], k and v [Hkv, C, D] (head and row strides given, unit along D),
@@ -88,7 +91,7 @@ INT8_LINEAR = Kernel(
 # int8_linear's two builds (kernels/build.py): its entry calls the VNNI one where the CPU has VNNI
 INT8_LINEAR_MADDUBS = Kernel("int8_linear_maddubs", math=INT8_LINEAR.math, shim=None)
 INT8_LINEAR_VNNI = Kernel("int8_linear_vnni", math=INT8_LINEAR.math, shim=None)
-KERNELS = (ROWS_LINEAR, ROWS_LINEAR_BF16, MASKED_ATTENTION, PACKED_LINEAR, INT8_LINEAR, INT8_LINEAR_MADDUBS,
+KERNELS = (ROWS_LINEAR, ROWS_LINEAR_BF16, ROWS_LINEAR_BF16_SHIFT, ROWS_LINEAR_BF16_DOT, MASKED_ATTENTION, PACKED_LINEAR, INT8_LINEAR, INT8_LINEAR_MADDUBS,
            INT8_LINEAR_VNNI)
 SHIMMED = tuple(kernel for kernel in KERNELS if kernel.shim is not None)  # the custom ops compiled code calls
 

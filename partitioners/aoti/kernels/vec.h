@@ -124,6 +124,17 @@ static inline bool has_vnni() {
 #endif
 }
 
+// whether this CPU has AVX512-BF16's vdpbf16ps and this build's instruction
+// set can call it (build.py compiles rows_linear.cpp a second time with it for
+// AVX-512 only)
+static inline bool has_bf16_dot() {
+#ifdef __AVX512VL__
+  return __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 // fetches the cache line at p into L2 ahead of its use: weights streamed a
 // few rows ahead overlap the reads with the arithmetic (T0 and NTA hints
 // measured slower)

@@ -14,10 +14,11 @@ def compile_passes(kernel_rows: tuple[int, ...], packed_rows: tuple[int, ...] = 
     ones."""
     passes: list[Pass] = []
     if packed_rows:
+        from kvexport.partitioners.aoti.kernels.build import dynamic_int8_bits
         from kvexport.partitioners.aoti.passes.int8_linear import Int8LinearPass
         from kvexport.partitioners.aoti.passes.packed_linear import PackedLinearPass
 
-        passes += [Int8LinearPass(packed_rows), PackedLinearPass(packed_rows)]
+        passes += [Int8LinearPass(packed_rows, dynamic_int8_bits()), PackedLinearPass(packed_rows)]
     if kernel_rows:
         from kvexport.partitioners.aoti.passes.masked_attention import MaskedAttentionPass
         from kvexport.partitioners.aoti.passes.rows_linear import RowsLinearPass

@@ -116,15 +116,30 @@ def int8_product(linear: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, t
 
 
 class Int8LinearPass(RewritePass):
+    """Products over the given static row counts, and over a row count
+    known only at run time (a method taking up to --max-step-tokens: prefill
+    slices) by codes of `dynamic_bits`: from 8 rows the kernel puts rows
+    across its lanes, and reads each block of codes once for every 8 or 16
+    rows (kernels/int8_linear.cpp), where the stored form dequantizes the
+    whole weight to fp32 on every call and multiplies in fp32."""
+
     name = "int8_linear"
     leftover = "int8 products with the kernel's row counts left"
 
-    def __init__(self, rows: tuple[int, ...]):
-        self.rows = frozenset(rows)
+    def __init__(self, rows: tuple[int, ...], dynamic_bits: tuple[int, ...] = ()):
+        self.rows, self.dynamic_bits = frozenset(rows), frozenset(dynamic_bits)
 
     def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
-        return [n for n in graph_module.graph.nodes
-                if n.target is aten.linear.default and static_rows(n.args[0]) in self.rows and int8_product(n) is not None]
+        found = []
+        for node in graph_module.graph.nodes:
+            if node.target is not aten.linear.default:
+                continue
+            rows = static_rows(node.args[0])
+            if rows in self.rows or (rows is None and self.dynamic_bits):
+                product = int8_product(node)
+                if product is not None and (rows is not None or product[-1] in self.dynamic_bits):
+                    found.append(node)
+        return found
 
     def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
         x, data, scale, offset, bits = int8_product(node)

@@ -23,7 +23,7 @@ import torch.fx
 
 from torch._subclasses.fake_tensor import FakeTensor
 
-from kvexport.passes.base import RewritePass, arguments, emit, static_rows
+from kvexport.passes.base import RewritePass, arguments, emit, emit_shape, static_rows
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -50,20 +50,20 @@ def emit_rows_product(graph: torch.fx.Graph, node: torch.fx.Node, target, *opera
     """What replaces linear `node` by a kernel `target(x rows, *operands)`
     that returns [rows, out_features]: x (the linear's input unless given,
     of the same shape) flattened into contiguous rows, the bias added, the
-    leading dims restored."""
+    leading dims restored (a dynamic one read back from x)."""
     given = arguments(node)
     x, bias = x if x is not None else given["input"], given.get("bias")
-    lead, width = list(x.meta["val"].shape[:-1]), x.meta["val"].shape[-1]
-    out_features = node.meta["val"].shape[-1]
+    width, out_features, rows = x.meta["val"].shape[-1], node.meta["val"].shape[-1], static_rows(x)
 
     def op(op_target, *args, **kwargs):
         return emit(graph, node, op_target, *args, **kwargs)
 
-    flat = op(aten.clone.default, op(aten.reshape.default, x, [static_rows(x), width]), memory_format=torch.contiguous_format)
+    flat = op(aten.clone.default, op(aten.reshape.default, x, [-1 if rows is None else rows, width]),
+              memory_format=torch.contiguous_format)
     out = op(target, flat, *operands)
     if bias is not None:
         out = op(aten.add.Tensor, out, bias)
-    return op(aten.reshape.default, out, [*lead, out_features])
+    return op(aten.reshape.default, out, [*emit_shape(graph, node, x)[:-1], out_features])
 
 
 class RowsLinearPass(RewritePass):
