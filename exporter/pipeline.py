@@ -66,7 +66,7 @@ from kvexport.partitioners.base import Partitioner
 from kvexport.partitioners.registry import Backend, BackendOptions, CompileContext, get_backend
 from kvexport.passes.base import Pass, run_passes
 from kvexport.passes.check_step_width import STEP_WIDTH_META, USER_INPUTS_META
-from kvexport.passes.fuse_linears import FusedWeights, fuse_sibling_linears
+from kvexport.passes.fuse_linears import FusedWeights, fuse_sibling_int8_products, fuse_sibling_linears
 from kvexport.passes.reserve_constant_names import ConstantNames, ReserveConstantNamesPass
 
 log = logging.getLogger(__name__)
@@ -243,7 +243,8 @@ def caller_passes(state: ExportState) -> None:
 
 @step("fuse sibling linears", dump="fuse")
 def fuse_linears(state: ExportState) -> None:
-    groups = sum(fuse_sibling_linears(program, state.fused) for program in state.programs.values())
+    groups = sum(fuse_sibling_linears(program, state.fused) + fuse_sibling_int8_products(program, state.fused)
+                 for program in state.programs.values())
     if groups:
         state.progress(f"fused {groups} groups of sibling linears (q/k/v, gate/up) into one product each")
 
@@ -267,7 +268,7 @@ def reserve_constant_names_step(state: ExportState) -> None:
 def gather(state: ExportState) -> None:
     state.tensors, state.aliases, state.bindings = gather_weights(state.plans, state.programs)
     if state.coverage:
-        state.coverage = name_stored_tensors(state.coverage, state.programs, state.aliases)
+        state.coverage = name_stored_tensors(state.coverage, state.programs, state.aliases, state.fused)
 
 
 @step("write")
@@ -597,16 +598,24 @@ def write_weights(path: Path, tensors: dict[str, torch.Tensor], source_files: li
         log.info("weights: %.2f of %.2f GB copied straight from the source files", copied / 1e9, total / 1e9)
 
 
-def name_stored_tensors(coverage: list[dict], programs: dict[str, torch.export.ExportedProgram], aliases: dict[str, str]) -> list[dict]:
+def name_stored_tensors(coverage: list[dict], programs: dict[str, torch.export.ExportedProgram], aliases: dict[str, str],
+                        fused: FusedWeights | None = None) -> list[dict]:
     """The coverage rows with each quantized weight's inner tensors (qdata,
-    scale, zero_point) given by the names they are stored under."""
+    scale, zero_point) given by the names they are stored under; a part of a
+    stacked tensor (passes/fuse_linears.py) as its rows of it,
+    `name[start:stop]`."""
     def key(t: torch.Tensor) -> tuple:
         return t.data_ptr(), t.dtype, tuple(t.shape)
 
     names: dict[tuple, str] = {}
     for program in programs.values():
         for name, tensor in program.state_dict.items():
-            names.setdefault(key(tensor), aliases.get(name, name))
+            stored = aliases.get(name, name)
+            names.setdefault(key(tensor), stored)
+            start = 0
+            for part in (fused.parts(tensor) if fused else None) or []:
+                names.setdefault(key(part), f"{stored}[{start}:{start + part.shape[0]}]")
+                start += part.shape[0]
     return [
         {**row, "stored": {k: names[key(v)] if isinstance(v, torch.Tensor) else v for k, v in row["stored"].items()}}
         if "stored" in row else row

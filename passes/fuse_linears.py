@@ -9,6 +9,12 @@ interleaved rounds, bench/ab_decode.py), 8 sessions and a 512-token
 prefill alike. The stacked weight is a new parameter that replaces its
 parts in every method, so the package stores the same bytes.
 
+Products with int8 activations (quantized linears under --qact int8) stack
+the same way: their codes, scales and offsets along the rows, their
+input rounded once. On kvexport's int8 kernel a SmolLM2 4w step's products
+took 3.22 against 3.79 ms (best of 7 rounds, 1 row; 6.92 against 7.22 ms
+at 8 rows), 120 calls instead of 210 (bench/fused_siblings.py).
+
 The stacked weight is never built in memory: it is an uninitialized tensor
 (its pages are never touched) whose parts are recorded in `FusedWeights`,
 and the package writer writes the parts one after the other. Nothing reads
@@ -25,10 +31,13 @@ import torch
 import torch.fx
 from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
+import kvexport.passes.packed_weights  # noqa: F401  (defines kvexport::int8_rows and kvexport::dequantize_blocks)
 from kvexport.passes.base import arguments, emit
 
 aten = torch.ops.aten
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_INT8_ROWS = torch.ops.kvexport.int8_rows.default
+_DEQUANTIZE_BLOCKS = torch.ops.kvexport.dequantize_blocks.default
 
 
 class FusedWeights:
@@ -99,6 +108,79 @@ def fuse_sibling_linears(program: torch.export.ExportedProgram, fused: FusedWeig
     return count
 
 
+def fuse_sibling_int8_products(program: torch.export.ExportedProgram, fused: FusedWeights) -> int:
+    """Rewrites every group of two or more products with int8 activations
+    over one input (exporter/quantization's Int8Linear:
+    linear(int8_rows(x), dequantize_blocks(data, scale, offset, bits, dtype))),
+    whose codes have one width, group and code size and whose biases are all
+    parameters or all absent: their codes, scales and offsets stacked along
+    the rows (codes in blocks are row by row, so the stacked codes are the
+    parts' bytes one after the other, and each row's product is its part's),
+    x rounded once, one product, sliced back. Returns the number of groups
+    fused."""
+    graph_module, graph = program.graph_module, program.graph_module.graph
+    signature = program.graph_signature
+    stored = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
+    groups: dict[tuple, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.linear.default:
+            continue
+        given = arguments(node)
+        rounded, weight, bias = given["input"], given["weight"], given.get("bias")
+        if not (_calls(rounded, _INT8_ROWS) and _calls(weight, _DEQUANTIZE_BLOCKS) and len(weight.args) == 5):
+            continue
+        data, scale, offset, bits, dtype = weight.args
+        if not all(_stored(t, stored) for t in (data, scale, offset)) or (
+                bias is not None and not _parameter(bias, signature.inputs_to_parameters)):
+            continue
+        shapes = tuple(tuple(t.meta["val"].shape[1:]) for t in (data, scale, offset))
+        key = (rounded.args[0], bits, dtype, shapes, None if bias is None else bias.meta["val"].dtype)
+        groups.setdefault(key, []).append(node)
+    count = 0
+    replaced: set[torch.fx.Node] = set()
+    for nodes in groups.values():
+        if len(nodes) < 2:
+            continue
+        weights = [arguments(n)["weight"] for n in nodes]
+        biases = [arguments(n).get("bias") for n in nodes]
+        data, scale, offset = ([w.args[i] for w in weights] for i in range(3))
+        bits, dtype = weights[0].args[3:]
+        stacked = [_add_parameter(program, parts, fused) for parts in (data, scale, offset)]
+        stacked_bias = _add_parameter(program, biases, fused) if biases[0] is not None else None
+        replaced.update(data + scale + offset + [b for b in biases if b is not None])
+        rounded = arguments(nodes[0])["input"]
+        with graph.inserting_before(nodes[0]):
+            weight = emit(graph, nodes[0], _DEQUANTIZE_BLOCKS, *stacked, bits, dtype)
+            product = emit(graph, nodes[0], aten.linear.default, rounded, weight, stacked_bias)
+            start = 0
+            for node, part in zip(nodes, data):
+                size = part.meta["val"].shape[0]
+                node.replace_all_uses_with(emit(graph, node, aten.slice.Tensor, product, -1, start, start + size))
+                start += size
+        for node in nodes:
+            inputs = [arguments(node)["input"], arguments(node)["weight"]]
+            graph.erase_node(node)
+            for left in inputs:
+                if not left.users:
+                    graph.erase_node(left)
+        count += 1
+    if count:
+        _drop_unused(program, replaced)
+        graph.lint()
+        graph_module.recompile()
+    return count
+
+
+def _calls(node: object, target) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is target
+
+
+def _stored(node: object, stored: dict[str, str]) -> bool:
+    """A parameter or buffer of the program (an input the runtime binds)."""
+    return (isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.name in stored
+            and isinstance(node.meta.get("val"), torch.Tensor))
+
+
 def _compatible(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
     """The largest set of siblings that can stack: one dtype, one input
     width, all biased or none (in graph order)."""
@@ -113,10 +195,13 @@ def _compatible(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
 
 
 def _add_parameter(program: torch.export.ExportedProgram, placeholders: list[torch.fx.Node], fused: FusedWeights) -> torch.fx.Node:
-    """The parameters stacked, as a new parameter of the program (an input
-    the runtime binds, as the parts were: a compiler folds nothing from it),
+    """The parameters (or buffers: an int8 product's codes, scales and
+    offsets) stacked, as a new parameter of the program (an input the
+    runtime binds, as the parts were: a compiler folds nothing from it),
     named from theirs: `...self_attn.q_k_v_proj.weight`."""
-    keys = [program.graph_signature.inputs_to_parameters[p.name] for p in placeholders]
+    signature = program.graph_signature
+    stored = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
+    keys = [stored[p.name] for p in placeholders]
     tensor = fused.stacked([program.state_dict[k] for k in keys])
     name = _stacked_name(keys)
     while name in program.state_dict and program.state_dict[name] is not tensor:

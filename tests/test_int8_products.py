@@ -165,7 +165,7 @@ def test_an_int8_package_runs_its_static_products_on_the_kernels(tiny_package):
     """An aoti 4w package takes int8 activations by default where the
     kernels exist, and verifies (its tokens alone and batched are its eager
     reference's). Each static method calls the int8 kernel once per layer
-    linear and the packed kernel once, for the LM head (the 8w embedding's
+    product (q/k/v and gate/up stacked) and the packed kernel once, for the LM head (the 8w embedding's
     codes, weight-only), and links both; forward_others (prefill) calls the
     int8 kernel for the same linears and leaves the head to inductor's code;
     the stored programs stay plain aten."""
@@ -182,6 +182,9 @@ def test_an_int8_package_runs_its_static_products_on_the_kernels(tiny_package):
     assert manifest["backend"]["target"]["packed_kernel_rows"] == list(range(1, 17))
     coverage = manifest["quantization"]["coverage"]
     int8 = sum(1 for r in coverage if r.get("activations") == "int8")
+    # siblings (q/k/v, gate/up) are stored stacked, as rows of one tensor each: one product a stacked tensor
+    products = len({r["stored"]["data"].split("[")[0] for r in coverage if r.get("activations") == "int8"})
+    assert products < int8 and any("_proj.data[" in r["stored"].get("data", "") for r in coverage if "stored" in r)
     assert int8 == sum(1 for r in coverage if r["kind"] == "linear") - 1  # all but the tied head
     shown = CliRunner().invoke(main, ["inspect", str(path)]).stdout
     assert f"int8 activations on {int8} of {int8 + 1} quantized linears" in shown
@@ -196,7 +199,7 @@ def test_an_int8_package_runs_its_static_products_on_the_kernels(tiny_package):
         assert b"kvexport_int8_linear" in library, name
         # one kernel call per linear, none left to inductor's own code, as the export says
         head = r", .*packed_linear x1\b" if name != "forward_others" else "$"
-        assert re.search(rf"{name} compiled in [0-9.]+ s, calling kvexport's int8_linear x{int8}{head}", progress,
+        assert re.search(rf"{name} compiled in [0-9.]+ s, calling kvexport's int8_linear x{products}{head}", progress,
                          re.MULTILINE), progress
 
 

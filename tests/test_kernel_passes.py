@@ -281,3 +281,34 @@ def test_sibling_linears_fuse_and_keep_results(rows):
     for name in ("q_k_v.weight", "q_k_v.bias", "gate_up.weight"):
         program.state_dict[name].data.copy_(torch.cat(fused.parts(program.state_dict[name])))
     assert torch.allclose(program.module()(x), model(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("qlinear", ["4w", "8w"])
+def test_sibling_int8_products_fuse_and_keep_results(qlinear):
+    """Quantized siblings with int8 activations stack their codes, scales and
+    offsets (and biases) along the rows and round their input once; the
+    product over the stacked parts is the parts' products, each sliced back."""
+    from kvexport.exporter.quantization.quantize import Int8Linear
+    from kvexport.passes.fuse_linears import FusedWeights, fuse_sibling_int8_products
+
+    torch.manual_seed(0)
+    model = Siblings().eval()
+    quantize_model(model, qlinear, 0, "", qact="int8")
+    assert all(isinstance(getattr(model, m), Int8Linear) for m in ("q", "k", "v", "gate", "up", "down"))
+    x = torch.randn(5, 64)
+    program = torch.export.export(model, (x,), strict=False)
+    fused = FusedWeights()
+    assert fuse_sibling_int8_products(program, fused) == 2
+    stacked = {f"{group}.{part}": members for group, members in (("q_k_v", "qkv"), ("gate_up", ("gate", "up")))
+               for part in ("data", "scale", "offset")}
+    assert set(stacked) | {"q_k_v.bias", "down.data", "down.scale", "down.offset"} == set(program.state_dict)
+    called = [n.target for n in program.graph.nodes if n.op == "call_function"]
+    assert called.count(torch.ops.kvexport.int8_rows.default) == 3  # x once for q/k/v, h once for gate/up, down
+    assert called.count(torch.ops.kvexport.dequantize_blocks.default) == called.count(torch.ops.aten.linear.default) == 3
+    for name, members in stacked.items():
+        part = name.split(".")[1]
+        parts = fused.parts(program.state_dict[name])
+        assert [p is getattr(getattr(model, m), part) for p, m in zip(parts, members)] == [True] * len(members)
+        program.state_dict[name].data.copy_(torch.cat(parts))
+    program.state_dict["q_k_v.bias"].data.copy_(torch.cat(fused.parts(program.state_dict["q_k_v.bias"])))
+    torch.testing.assert_close(program.module()(x), model(x), rtol=1e-6, atol=1e-6)

@@ -159,6 +159,26 @@ def test_masked_attention(isa, shims, heads, kv_heads, rows, cells, head_dim):
     torch.testing.assert_close(shims.call("masked_attention", query, key, value, mask, 0.3), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads,kv_heads,rows,cells,head_dim", ATTENTION_CASES)
+def test_masked_attention_over_bf16_pools(isa, shims, heads, kv_heads, rows, cells, head_dim):
+    """bf16 query, keys and values (strided views of bf16 pools): the same
+    attention, computed in fp32 over their values and rounded to bf16 once,
+    dense rows included (they stay on the kernel)."""
+    query, key, value, mask = (t.bfloat16() if t.dtype == torch.float32 else t
+                               for t in attention_operands(heads, kv_heads, rows, cells, head_dim, seed=1))
+    want = torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
+                                                            scale=0.3, enable_gqa=True)
+    got = shims.call("masked_attention", query, key, value, mask, 0.3)
+    assert got.dtype == torch.bfloat16 and got.shape == query.shape
+    # fp32 sums in another order than sdpa's move a value by an ulp of fp32, which can flip its bf16 rounding
+    torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=8e-3, atol=1e-5)
+    dense = torch.ones(rows, cells, dtype=torch.bool)
+    want = torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=dense,
+                                                            scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(shims.call("masked_attention", query, key, value, dense, 0.3).float(),
+                               want.bfloat16().float(), rtol=8e-3, atol=1e-5)
+
+
 def test_the_shim_hands_dense_rows_to_sdpa(shims):
     query, key, value, _ = attention_operands(4, 2, 6, 40, 16)
     mask = torch.ones(6, 40, dtype=torch.bool)

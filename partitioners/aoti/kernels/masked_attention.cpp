@@ -14,6 +14,11 @@
 // Semantics are sdpa's with a boolean mask and GQA: out[h, t] =
 // softmax(scale * q[h, t] . k[h / G, c] over visible c) . v[h / G, c];
 // a row that sees no cell gets zeros, as torch's CPU sdpa gives.
+//
+// The pools are fp32 or bf16 (a bf16 package's); bf16 keys and values are
+// read as bf16, half the bytes, and widened in registers. Queries, scores,
+// the softmax and the sums are fp32 either way (the shim widens a bf16
+// query and rounds the result to bf16, as torch's bf16 sdpa does).
 
 #include <omp.h>
 
@@ -27,10 +32,12 @@ using namespace kv;
 
 namespace {
 
-// the first n (1..8) floats at p, all 8 when n is 8
-inline vec load_upto(const float* p, int n) { return n == LANES ? load(p) : load_first(p, n); }
+// the first n (1..8) values at p as floats, all 8 when n is 8
+template <typename T>
+inline vec load_upto(const T* p, int n) { return n == LANES ? load(p) : load_first(p, n); }
 
-inline float dot(const float* a, const float* b, int64_t D) {
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t D) {
   vec s0 = zero(), s1 = zero();
   int64_t d = 0;
   for (; d + 2 * LANES <= D; d += 2 * LANES) {
@@ -46,9 +53,9 @@ inline float dot(const float* a, const float* b, int64_t D) {
 
 // scale * q . k for four cells at once: four independent FMA chains, summed
 // across lanes together
-inline void dot4(const float* q, const float* k, const int64_t* cells, int64_t k_sc, int64_t D, float scale,
-                 float* out) {
-  const float* rows[4] = {k + cells[0] * k_sc, k + cells[1] * k_sc, k + cells[2] * k_sc, k + cells[3] * k_sc};
+template <typename T>
+inline void dot4(const float* q, const T* k, const int64_t* cells, int64_t k_sc, int64_t D, float scale, float* out) {
+  const T* rows[4] = {k + cells[0] * k_sc, k + cells[1] * k_sc, k + cells[2] * k_sc, k + cells[3] * k_sc};
   vec a0 = zero(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t d = 0; d < D; d += LANES) {
     const int n = D - d < LANES ? (int)(D - d) : LANES;
@@ -83,7 +90,8 @@ inline float softmax_numerators(float* p, int64_t n) {
 }
 
 // o[0..D) = inverse * sum_i p[i] * v[cells[i]], 64 dims at a time in 8 registers
-inline void weighted_values(const float* p, const int64_t* cells, int64_t n, const float* vh, int64_t v_sc, int64_t D,
+template <typename T>
+inline void weighted_values(const float* p, const int64_t* cells, int64_t n, const T* vh, int64_t v_sc, int64_t D,
                             float inverse, float* o) {
   const vec scale = broadcast(inverse);
   for (int64_t d0 = 0; d0 < D; d0 += 8 * LANES) {
@@ -92,7 +100,7 @@ inline void weighted_values(const float* p, const int64_t* cells, int64_t n, con
     if (D - d0 >= 8 * LANES) {
       for (int64_t i = 0; i < n; i++) {
         const vec w = broadcast(p[i]);
-        const float* row = vh + cells[i] * v_sc + d0;
+        const T* row = vh + cells[i] * v_sc + d0;
 #pragma GCC unroll 8
         for (int b = 0; b < 8; b++) a[b] = fma(w, load(row + LANES * b), a[b]);
       }
@@ -101,7 +109,7 @@ inline void weighted_values(const float* p, const int64_t* cells, int64_t n, con
       const int blocks = (int)((D - d0 + LANES - 1) / LANES);
       for (int64_t i = 0; i < n; i++) {
         const vec w = broadcast(p[i]);
-        const float* row = vh + cells[i] * v_sc + d0;
+        const T* row = vh + cells[i] * v_sc + d0;
         for (int b = 0; b < blocks; b++) {
           const int width = D - d0 - LANES * b < LANES ? (int)(D - d0 - LANES * b) : LANES;
           a[b] = fma(w, load_first(row + LANES * b, width), a[b]);
@@ -115,29 +123,25 @@ inline void weighted_values(const float* p, const int64_t* cells, int64_t n, con
   }
 }
 
-}  // namespace
-
-// q[h, t, d] at q + h * q_sh + t * q_st + d (likewise k, v over [kv head, cell, d]),
-// mask[t, c] at mask + t * m_st + c * m_sc, out [H, T, D] contiguous
-void kvexport_masked_attention(const float* q, int64_t q_sh, int64_t q_st, const float* k, int64_t k_sh, int64_t k_sc,
-                               const float* v, int64_t v_sh, int64_t v_sc, const bool* mask, int64_t m_st,
-                               int64_t m_sc, float* out, int64_t H, int64_t Hkv, int64_t T, int64_t C, int64_t D,
-                               float scale) {
+template <typename T>
+void attend(const float* q, int64_t q_sh, int64_t q_st, const T* k, int64_t k_sh, int64_t k_sc, const T* v,
+            int64_t v_sh, int64_t v_sc, const bool* mask, int64_t m_st, int64_t m_sc, float* out, int64_t H,
+            int64_t Hkv, int64_t T_, int64_t C, int64_t D, float scale) {
   const int64_t group = H / Hkv;
 #pragma omp parallel
   {
     std::vector<int64_t> cells(C);
     std::vector<float> p(C + LANES);
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < T * Hkv; task++) {
+    for (int64_t task = 0; task < T_ * Hkv; task++) {
       const int64_t t = task / Hkv, kvh = task % Hkv;
       int64_t n = 0;
       for (int64_t c = 0; c < C; c++)
         if (mask[t * m_st + c * m_sc]) cells[n++] = c;
-      const float* kh = k + kvh * k_sh;
-      const float* vh = v + kvh * v_sh;
+      const T* kh = k + kvh * k_sh;
+      const T* vh = v + kvh * v_sh;
       for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
-        float* o = out + (h * T + t) * D;
+        float* o = out + (h * T_ + t) * D;
         if (n == 0) {
           for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
           continue;
@@ -150,4 +154,23 @@ void kvexport_masked_attention(const float* q, int64_t q_sh, int64_t q_st, const
       }
     }
   }
+}
+
+}  // namespace
+
+// q[h, t, d] at q + h * q_sh + t * q_st + d (likewise k, v over [kv head, cell, d]),
+// mask[t, c] at mask + t * m_st + c * m_sc, out [H, T, D] contiguous
+void kvexport_masked_attention(const float* q, int64_t q_sh, int64_t q_st, const float* k, int64_t k_sh, int64_t k_sc,
+                               const float* v, int64_t v_sh, int64_t v_sc, const bool* mask, int64_t m_st,
+                               int64_t m_sc, float* out, int64_t H, int64_t Hkv, int64_t T, int64_t C, int64_t D,
+                               float scale) {
+  attend(q, q_sh, q_st, k, k_sh, k_sc, v, v_sh, v_sc, mask, m_st, m_sc, out, H, Hkv, T, C, D, scale);
+}
+
+// the same over bf16 keys and values (their raw 16-bit values)
+void kvexport_masked_attention_bf16(const float* q, int64_t q_sh, int64_t q_st, const uint16_t* k, int64_t k_sh,
+                                    int64_t k_sc, const uint16_t* v, int64_t v_sh, int64_t v_sc, const bool* mask,
+                                    int64_t m_st, int64_t m_sc, float* out, int64_t H, int64_t Hkv, int64_t T,
+                                    int64_t C, int64_t D, float scale) {
+  attend(q, q_sh, q_st, k, k_sh, k_sc, v, v_sh, v_sc, mask, m_st, m_sc, out, H, Hkv, T, C, D, scale);
 }

@@ -115,11 +115,11 @@ AOTITorchError attend_with_sdpa(AtenTensorHandle query, AtenTensorHandle key, At
 
 // why masked_attention cannot take these operands, or nullptr
 const char* attention_problem(const Operand* o) {
-  for (int i = 0; i < 4; i++) {
+  for (int i = 0; i < 4; i++)
     if (o[i].dims != (i == 3 ? 2 : 4)) return "query, key and value must be 4-d and the mask 2-d";
-    if (o[i].dtype != (i == 3 ? aoti_torch_dtype_bool() : aoti_torch_dtype_float32()))
-      return "query, key and value must be float32 and the mask bool";
-  }
+  const bool fp32 = o[0].dtype == aoti_torch_dtype_float32(), bf16 = o[0].dtype == aoti_torch_dtype_bfloat16();
+  if (!(fp32 || bf16) || o[1].dtype != o[0].dtype || o[2].dtype != o[0].dtype || o[3].dtype != aoti_torch_dtype_bool())
+    return "query, key and value must be all float32 or all bfloat16, and the mask bool";
   const int64_t *q = o[0].sizes, *k = o[1].sizes, *v = o[2].sizes, *m = o[3].sizes;
   if (q[0] != 1 || k[0] != 1 || v[0] != 1) return "the batch dim must be 1";
   if (k[1] < 1 || q[1] % k[1]) return "the query heads must be a multiple of the key heads";
@@ -268,7 +268,25 @@ extern "C" AOTITorchError aoti_torch_cpu_masked_attention(AtenTensorHandle query
   const int64_t size[4] = {1, H, T, D};
   AtenTensorHandle out;
   void* out_data;
-  if (new_fp32(4, size, &out, &out_data)) return refuse("masked_attention", "the result could not be allocated");
+  if (new_tensor(o[0].dtype, 4, size, &out, &out_data))
+    return refuse("masked_attention", "the result could not be allocated");
+  if (o[0].dtype == aoti_torch_dtype_bfloat16()) {  // bf16: the query widened, the pools read as bf16, the result rounded
+    if (H > 0 && T > 0 && D > 0) {
+      std::vector<float> q(H * T * D), result(H * T * D);
+      const uint16_t* query16 = (const uint16_t*)o[0].data;
+      for (int64_t h = 0; h < H; h++)
+        for (int64_t t = 0; t < T; t++)
+          for (int64_t d = 0; d < D; d++)
+            q[(h * T + t) * D + d] = from_bf16(query16[h * o[0].strides[1] + t * o[0].strides[2] + d * o[0].strides[3]]);
+      kvexport_masked_attention_bf16(q.data(), T * D, D, (const uint16_t*)o[1].data, o[1].strides[1], o[1].strides[2],
+                                     (const uint16_t*)o[2].data, o[2].strides[1], o[2].strides[2],
+                                     (const bool*)o[3].data, o[3].strides[0], o[3].strides[1], result.data(), H, Hkv, T,
+                                     C, D, (float)scale);
+      for (int64_t i = 0; i < H * T * D; i++) ((uint16_t*)out_data)[i] = to_bf16(result[i]);
+    }
+    *ret0 = out;
+    return AOTI_TORCH_SUCCESS;
+  }
   if (T >= DENSE_MIN_ROWS && dense(o[3], T, C)) {
     const AOTITorchError error = attend_with_sdpa(query, key, value, o[3], T, C, scale, out);
     if (error) {

@@ -69,6 +69,13 @@ MASKED_ATTENTION = Kernel(
     shim=("AtenTensorHandle query", "AtenTensorHandle key", "AtenTensorHandle value", "AtenTensorHandle mask",
           "double scale"),
 )
+MASKED_ATTENTION_BF16 = Kernel(
+    "masked_attention_bf16",
+    # masked_attention over bf16 key and value pools (raw 16-bit values), q and out fp32; its shim calls it for bf16
+    math=tuple(p.replace("const float* k", "const uint16_t* k").replace("const float* v", "const uint16_t* v")
+               for p in MASKED_ATTENTION.math),
+    shim=None,
+)
 PACKED_LINEAR = Kernel(
     "packed_linear",
     # x [M, K] (row stride ldx) @ the packed weight [N, K].T -> out [M, N]: words int32 [R, K] of
@@ -91,8 +98,8 @@ INT8_LINEAR = Kernel(
 # int8_linear's two builds (kernels/build.py): its entry calls the VNNI one where the CPU has VNNI
 INT8_LINEAR_MADDUBS = Kernel("int8_linear_maddubs", math=INT8_LINEAR.math, shim=None)
 INT8_LINEAR_VNNI = Kernel("int8_linear_vnni", math=INT8_LINEAR.math, shim=None)
-KERNELS = (ROWS_LINEAR, ROWS_LINEAR_BF16, ROWS_LINEAR_BF16_SHIFT, ROWS_LINEAR_BF16_DOT, MASKED_ATTENTION, PACKED_LINEAR, INT8_LINEAR, INT8_LINEAR_MADDUBS,
-           INT8_LINEAR_VNNI)
+KERNELS = (ROWS_LINEAR, ROWS_LINEAR_BF16, ROWS_LINEAR_BF16_SHIFT, ROWS_LINEAR_BF16_DOT, MASKED_ATTENTION,
+           MASKED_ATTENTION_BF16, PACKED_LINEAR, INT8_LINEAR, INT8_LINEAR_MADDUBS, INT8_LINEAR_VNNI)
 SHIMMED = tuple(kernel for kernel in KERNELS if kernel.shim is not None)  # the custom ops compiled code calls
 
 

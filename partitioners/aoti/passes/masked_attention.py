@@ -59,7 +59,8 @@ class MaskedAttentionPass(RewritePass):
         query, key, value, mask = vals
         static = all(isinstance(d, int) for d in query.shape)
         return (static and query.dim() == 4 and query.shape[0] == 1 and query.shape[2] in self.rows
-                and all(t.dtype == torch.float32 for t in (query, key, value)) and key.dim() == 4 and value.dim() == 4
+                and query.dtype in (torch.float32, torch.bfloat16) and key.dtype == value.dtype == query.dtype
+                and key.dim() == 4 and value.dim() == 4
                 and mask.dtype == torch.bool and mask.dim() == 2
                 and (given.get("enable_gqa", False) or key.shape[1] == query.shape[1]))
 
