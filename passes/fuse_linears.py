@@ -71,7 +71,7 @@ def fuse_sibling_linears(program: torch.export.ExportedProgram, fused: FusedWeig
     """Rewrites every group of two or more linears over one input whose
     weights (and biases, all or none) are parameters of one dtype; drops the
     parameters no longer used. Returns the number of groups fused."""
-    graph_module, graph = program.graph_module, program.graph_module.graph
+    graph = program.graph_module.graph
     parameters = program.graph_signature.inputs_to_parameters  # placeholder name -> state dict key
     groups: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for node in graph.nodes:
@@ -93,19 +93,11 @@ def fuse_sibling_linears(program: torch.export.ExportedProgram, fused: FusedWeig
         stacked_bias = _add_parameter(program, biases, fused) if biases[0] is not None else None
         replaced.update(weights + [b for b in biases if b is not None])
         with graph.inserting_before(nodes[0]):
-            product = emit(graph, nodes[0], aten.linear.default, x, stacked_weight, stacked_bias)
-            start = 0
-            for node, size in zip(nodes, sizes):
-                node.replace_all_uses_with(emit(graph, node, aten.slice.Tensor, product, -1, start, start + size))
-                start += size
+            _slice_back(graph, nodes, emit(graph, nodes[0], aten.linear.default, x, stacked_weight, stacked_bias), sizes)
         for node in nodes:
             graph.erase_node(node)
         count += 1
-    if count:
-        _drop_unused(program, replaced)
-        graph.lint()
-        graph_module.recompile()
-    return count
+    return _finish(program, replaced, count)
 
 
 def fuse_sibling_int8_products(program: torch.export.ExportedProgram, fused: FusedWeights) -> int:
@@ -118,7 +110,7 @@ def fuse_sibling_int8_products(program: torch.export.ExportedProgram, fused: Fus
     parts' bytes one after the other, and each row's product is its part's),
     x rounded once, one product, sliced back. Returns the number of groups
     fused."""
-    graph_module, graph = program.graph_module, program.graph_module.graph
+    graph = program.graph_module.graph
     signature = program.graph_signature
     stored = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
     groups: dict[tuple, list[torch.fx.Node]] = {}
@@ -152,11 +144,7 @@ def fuse_sibling_int8_products(program: torch.export.ExportedProgram, fused: Fus
         with graph.inserting_before(nodes[0]):
             weight = emit(graph, nodes[0], _DEQUANTIZE_BLOCKS, *stacked, bits, dtype)
             product = emit(graph, nodes[0], aten.linear.default, rounded, weight, stacked_bias)
-            start = 0
-            for node, part in zip(nodes, data):
-                size = part.meta["val"].shape[0]
-                node.replace_all_uses_with(emit(graph, node, aten.slice.Tensor, product, -1, start, start + size))
-                start += size
+            _slice_back(graph, nodes, product, [part.meta["val"].shape[0] for part in data])
         for node in nodes:
             inputs = [arguments(node)["input"], arguments(node)["weight"]]
             graph.erase_node(node)
@@ -164,10 +152,23 @@ def fuse_sibling_int8_products(program: torch.export.ExportedProgram, fused: Fus
                 if not left.users:
                     graph.erase_node(left)
         count += 1
+    return _finish(program, replaced, count)
+
+
+def _slice_back(graph: torch.fx.Graph, nodes: list[torch.fx.Node], product: torch.fx.Node, sizes: list[int]) -> None:
+    """Each of `nodes` is replaced by its columns of the stacked product, in order."""
+    start = 0
+    for node, size in zip(nodes, sizes):
+        node.replace_all_uses_with(emit(graph, node, aten.slice.Tensor, product, -1, start, start + size))
+        start += size
+
+
+def _finish(program: torch.export.ExportedProgram, replaced: set[torch.fx.Node], count: int) -> int:
+    """The stacked parts' inputs dropped and the graph checked, after `count` groups fused."""
     if count:
         _drop_unused(program, replaced)
-        graph.lint()
-        graph_module.recompile()
+        program.graph_module.graph.lint()
+        program.graph_module.recompile()
     return count
 
 
