@@ -295,9 +295,9 @@ struct BlockCodes {
   }
 };
 
-// panels p0..p0+T by weight rows n0..n0+L; a weight given once per group
-// (ONE_GROUP) is scaled once at the end
-template <int BITS, int T, int L, bool ONE_GROUP, int Q = 0>
+// one block's dot products of T panels (codes at `codes`, panel_bytes apart)
+// by L weight rows, quad Q onwards, summed into dots
+template <int BITS, int T, int L, int Q = 0>
 inline void quads(const BlockCodes<BITS> (&w)[L], const int8_t* codes, int64_t panel_bytes, ivec (&dots)[T][L]) {
   if constexpr (Q < BLOCK / 4) {
     ivec xs[T];
@@ -309,10 +309,12 @@ inline void quads(const BlockCodes<BITS> (&w)[L], const int8_t* codes, int64_t p
 #pragma GCC unroll 4
       for (int t = 0; t < T; t++) dots[t][j] = dot4(dots[t][j], wq, xs[t]);
     }
-    quads<BITS, T, L, ONE_GROUP, Q + 1>(w, codes, panel_bytes, dots);
+    quads<BITS, T, L, Q + 1>(w, codes, panel_bytes, dots);
   }
 }
 
+// panels p0..p0+T by weight rows n0..n0+L into out; a weight with one group
+// a row (ONE_GROUP) is scaled once at the end
 template <int BITS, int T, int L, bool ONE_GROUP>
 inline void panel_tile(const Rows& r, const uint8_t* data, const float* scale, const float* offset, int64_t p0,
                        int64_t n0, int64_t M, int64_t K, int64_t groups, bool prefetch, float* out, int64_t N) {
@@ -334,7 +336,7 @@ inline void panel_tile(const Rows& r, const uint8_t* data, const float* scale, c
     for (int t = 0; t < T; t++)
 #pragma GCC unroll 8
       for (int j = 0; j < L; j++) dots[t][j] = _mm256_setzero_si256();
-    quads<BITS, T, L, ONE_GROUP>(w, r.codes.data() + (p0 * blocks + b) * PANEL * BLOCK, panel_bytes, dots);
+    quads<BITS, T, L>(w, r.codes.data() + (p0 * blocks + b) * PANEL * BLOCK, panel_bytes, dots);
     const int64_t g = b / per_group;
 #pragma GCC unroll 4
     for (int t = 0; t < T; t++) {
