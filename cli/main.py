@@ -83,7 +83,7 @@ def _progress(message: str) -> None:
 @click.option("--backend", type=click.Choice(backend_ids()), help="; ".join(f"{b.id}: {b.description}" for b in map(get_backend, backend_ids())) + " (default portable).")
 @click.option("--device", type=click.Choice(list(DEVICES)), help="aoti: the device to compile for (default cpu).")
 @click.option("--compile-workers", type=int, help="aoti: parallel compile processes (default: one per core).")
-@click.option("--row-kernel", type=click.Choice(["auto", "on", "off"]), help="aoti on x86: run fp32 and bf16 products over 1-16 rows on kvexport's row kernel, linked into the compiled code: auto (the default) where it read the weights faster than the BLAS in a probe of this machine, on at every row count, off never.")
+@click.option("--row-kernel", type=click.Choice(["auto", "on", "off"]), help="aoti on x86: run fp32 and bf16 products over 1-16 rows on kvexport's row kernel, linked into the compiled code: auto (the default) where it read fp32 weights faster than the BLAS in a probe of this machine (bf16 ones at every row count), on at every row count, off never.")
 @click.option("--packed-kernel", type=click.Choice(["on", "off"]), help="aoti on x86: run products by 4- and 8-bit packed weights (8w, 4w, --qembedding 8w's tied LM head) over 1-16 rows on kvexport's packed kernel, linked into the compiled code (default on); off leaves them to inductor's fused code.")
 @click.option("--config", "recipe", help="A recipe: configs/NAME.toml, a path, or a shipped recipe's name.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a recipe key (repeatable).")
