@@ -67,6 +67,7 @@ def test_static_methods_carry_the_row_kernel(aoti_package):
         pytest.skip("the row kernel needs x86 with AVX2 or AVX-512")
     manifest = json.loads((aoti_package / "manifest.json").read_text())
     assert manifest["backend"]["target"]["fp32_kernel_rows"] == list(range(1, 17))
+    assert manifest["backend"]["target"]["attention_kernel_rows"] == list(range(1, 17))
     for name, entry in manifest["methods"].items():
         with zipfile.ZipFile(aoti_package / entry["compiled"]) as archive:
             library = b"".join(archive.read(n) for n in archive.namelist() if n.endswith(".so"))
@@ -148,7 +149,8 @@ def compile_job(package, method, output, **changes):
     entry, rows, packed = manifest["methods"][method], tuple(target["fp32_kernel_rows"]), tuple(target["packed_kernel_rows"])
     job = CompileJob(method, package / entry["program"], package / "weights.safetensors", entry["weights"],
                      manifest["weights"].get("aliases", {}), entry["inputs"], output, "cpu", tuple(entry.get("state", [])),
-                     rows, archive_dir() if rows or packed else None, packed)
+                     rows, archive_dir() if rows or packed else None, packed,
+                     attention_rows=tuple(target["attention_kernel_rows"]))
     return replace(job, **changes)
 
 
@@ -232,3 +234,26 @@ def test_bf16_products_run_on_the_row_kernel(tiny_package):
     prompts = [prompt_of(3, seed=7), prompt_of(9, seed=8), prompt_of(26, seed=9)]
     runtime = load(path)
     assert generate(runtime, prompts, 8) == [generate(load(path), [p], 8)[0] for p in prompts]
+
+
+@pytest.mark.parametrize("dtype,row_kernel,products,attention", [
+    ("fp32", "auto", (3, 4), (1, 2, 3, 4)),  # the probe's choice for products; attention at every count
+    ("bf16", "auto", (1, 2, 3, 4), (1, 2, 3, 4)),  # bf16 products at every count too
+    ("fp32", "on", (1, 2, 3, 4), (1, 2, 3, 4)),
+    ("fp32", "off", (), ()),
+])
+def test_the_probe_chooses_fp32_products_only(monkeypatch, dtype, row_kernel, products, attention):
+    """The kernel probe times fp32 products against the BLAS: it decides
+    those, not bf16 products (on the kernel at every row count) nor
+    attention (on the masked attention kernel at every row count unless
+    --row-kernel off)."""
+    from kvexport.exporter.spec import ExportSpec
+    from kvexport.partitioners import aoti
+    from kvexport.partitioners.aoti.kernels import build, probe
+
+    probed = {"auto": (3, 4), "on": (1, 2, 3, 4), "off": ()}
+    monkeypatch.setattr(probe, "kernel_rows", lambda device, mode: probed[mode])
+    monkeypatch.setattr(probe, "packed_rows", lambda device, mode: ())
+    monkeypatch.setattr(build, "archive_dir", lambda: None)
+    options = aoti._configure(ExportSpec(backend="aoti", dtype=dtype, row_kernel=row_kernel))
+    assert (options.kernel_rows, options.attention_rows) == (products, attention)

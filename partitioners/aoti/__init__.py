@@ -24,6 +24,8 @@ class AotiOptions(BackendOptions):
     kernel_rows: tuple[int, ...] = ()
     # static row counts whose products by packed weights run on the packed kernel
     packed_rows: tuple[int, ...] = ()
+    # static row counts whose attention runs on the masked attention kernel: every one unless --row-kernel off
+    attention_rows: tuple[int, ...] = ()
 
 
 def _check_spec(spec) -> None:
@@ -44,12 +46,14 @@ def _configure(spec) -> AotiOptions:
     # count (on the BLAS, SmolLM2 bf16 decoded 1.27 x slower at batch 1 and 3.0 x over 8 sessions: README)
     mode = "on" if spec.row_kernel == "auto" and spec.dtype == "bf16" else spec.row_kernel
     rows, packed = kernel_rows(spec.device, mode), packed_rows(spec.device, spec.packed_kernel)
-    if rows or packed:
+    # the probe times products, not attention: the attention kernel takes every static row count
+    attention = kernel_rows(spec.device, "off" if spec.row_kernel == "off" else "on")
+    if rows or packed or attention:
         from kvexport.partitioners.aoti.kernels.build import archive_dir
 
         archive_dir()  # built (once per machine) before any work, so a missing compiler fails first
     return AotiOptions(spec.device, _compile_workers(spec), int8_products=bool(packed), kernel_rows=rows,
-                       packed_rows=packed)
+                       packed_rows=packed, attention_rows=attention)
 
 
 def _compile_workers(spec) -> int:
@@ -67,7 +71,8 @@ def _manifest_entry(options: AotiOptions) -> dict:
     from kvexport.partitioners.aoti.partitioner import compile_target
 
     return {"target": compile_target(options.device) | {"fp32_kernel_rows": list(options.kernel_rows),
-                                                        "packed_kernel_rows": list(options.packed_rows)}}
+                                                        "packed_kernel_rows": list(options.packed_rows),
+                                                        "attention_kernel_rows": list(options.attention_rows)}}
 
 
 def _compile(ctx: CompileContext) -> dict[str, str]:
@@ -77,16 +82,18 @@ def _compile(ctx: CompileContext) -> dict[str, str]:
     from kvexport.partitioners.aoti.kernels.build import archive_dir
 
     options: AotiOptions = ctx.options
-    rows, packed = options.kernel_rows, options.packed_rows
-    archive = archive_dir() if rows or packed else None
+    rows, packed, attention = options.kernel_rows, options.packed_rows, options.attention_rows
+    archive = archive_dir() if rows or packed or attention else None
     if rows:
-        ctx.progress(f"kvexport's kernels for float products and attention over {','.join(map(str, rows))} rows: {archive}")
+        ctx.progress(f"kvexport's kernel for float products over {','.join(map(str, rows))} rows: {archive}")
+    if attention:
+        ctx.progress(f"kvexport's kernel for attention over {attention[0]}..{attention[-1]} rows")
     if packed:
         ctx.progress(f"kvexport's kernel for products by packed weights over {packed[0]}..{packed[-1]} rows")
     jobs = [
         CompileJob(name, ctx.root / entry["program"], ctx.weights, ctx.bindings[name], ctx.aliases, entry["inputs"],
                    ctx.root / program_path(name, compiled=True), options.device, entry.get("state", []),
-                   rows, archive, packed)
+                   rows, archive, packed, attention_rows=attention)
         for name, entry in ctx.methods.items()
     ]
     compile_methods(jobs, options.compile_workers, ctx.progress)
@@ -96,7 +103,7 @@ def _compile(ctx: CompileContext) -> dict[str, str]:
 def _compile_passes(options: AotiOptions) -> list:
     from kvexport.partitioners.aoti.passes import compile_passes
 
-    return compile_passes(options.kernel_rows, options.packed_rows)
+    return compile_passes(options.kernel_rows, options.packed_rows, options.attention_rows)
 
 
 register_backend(

@@ -55,11 +55,12 @@ class CompileJob:
     kernel_archive: Path | None = None  # the folder of kvexport's kernels' static library (kernels/build.py)
     packed_rows: tuple = ()  # products by packed weights over these static row counts call the packed kernel
     threads: int = 0  # torch's threads while compiling (inductor splits loops by them); 0: the exporter's
+    attention_rows: tuple = ()  # attention over these static row counts calls the masked attention kernel
 
 
 def configs_of(job: CompileJob) -> dict:
     """The inductor settings `job` compiles with."""
-    if not (job.kernel_rows or job.packed_rows):
+    if not (job.kernel_rows or job.packed_rows or job.attention_rows):
         return dict(INDUCTOR_CONFIGS)
     from kvexport.partitioners.aoti.kernels.build import inductor_configs
 
@@ -110,11 +111,12 @@ def compile_one(job: CompileJob) -> tuple[str, float, dict[str, int], bool]:
     program = torch_compat.graph_from_json(gzip.decompress(job.graph.read_bytes()), state, constants)
     program.example_inputs = (tuple(t.to(job.device) for t in example_inputs(job.inputs)), {})
     calls: dict[str, int] = {}
-    if job.kernel_rows or job.packed_rows:
+    if job.kernel_rows or job.packed_rows or job.attention_rows:
         from kvexport.partitioners.aoti.passes import compile_passes
         from kvexport.passes.base import run_passes
 
-        run_passes(program.graph_module, compile_passes(job.kernel_rows, job.packed_rows), job.method)
+        passes = compile_passes(job.kernel_rows, job.packed_rows, job.attention_rows)
+        run_passes(program.graph_module, passes, job.method)
         for node in program.graph_module.graph.nodes:
             if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "kvexport":
                 name = node.target._schema.name.split("::")[-1]

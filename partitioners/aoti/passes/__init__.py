@@ -8,10 +8,12 @@ from __future__ import annotations
 from kvexport.passes.base import Pass
 
 
-def compile_passes(kernel_rows: tuple[int, ...], packed_rows: tuple[int, ...] = ()) -> list[Pass]:
+def compile_passes(kernel_rows: tuple[int, ...], packed_rows: tuple[int, ...] = (),
+                   attention_rows: tuple[int, ...] = ()) -> list[Pass]:
     """Products by packed weights first (int8 and weight-only, on the same
     row counts): the row kernel would take their dequantized weights as fp32
-    ones."""
+    ones. Then float products over kernel_rows and attention over
+    attention_rows."""
     passes: list[Pass] = []
     if packed_rows:
         from kvexport.partitioners.aoti.kernels.build import dynamic_int8_bits
@@ -20,8 +22,11 @@ def compile_passes(kernel_rows: tuple[int, ...], packed_rows: tuple[int, ...] = 
 
         passes += [Int8LinearPass(packed_rows, dynamic_int8_bits()), PackedLinearPass(packed_rows)]
     if kernel_rows:
-        from kvexport.partitioners.aoti.passes.masked_attention import MaskedAttentionPass
         from kvexport.partitioners.aoti.passes.rows_linear import RowsLinearPass
 
-        passes += [RowsLinearPass(kernel_rows), MaskedAttentionPass(kernel_rows)]
+        passes.append(RowsLinearPass(kernel_rows))
+    if attention_rows:
+        from kvexport.partitioners.aoti.passes.masked_attention import MaskedAttentionPass
+
+        passes.append(MaskedAttentionPass(attention_rows))
     return passes
