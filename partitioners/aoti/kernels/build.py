@@ -109,10 +109,7 @@ def rows_linear(x, weight, out=None, isa: str | None = None, products: str = "")
 def has_bf16_dot(isa: str | None = None) -> bool:
     """Whether this CPU has AVX512-BF16 and rows_linear's build for `isa`
     can call it (AVX-512 builds only)."""
-    try:
-        return (isa or _isa()) == "avx512" and "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+    return (isa or _isa()) == "avx512" and _cpu_has("avx512_bf16")
 
 
 def masked_attention(query, key, value, mask, scale: float, out=None, isa: str | None = None):
@@ -165,7 +162,11 @@ def packed_linear(x, words, scale, offset, bits: int, rows: int, out=None, isa: 
 def has_vnni(isa: str | None = None) -> bool:
     """Whether this CPU has the VNNI that int8_linear's build for `isa`
     uses (AVX-VNNI for AVX2, AVX512-VNNI for AVX-512)."""
-    flag = {"avx2": "avx_vnni", "avx512": "avx512_vnni"}[isa or _isa()]
+    return _cpu_has({"avx2": "avx_vnni", "avx512": "avx512_vnni"}[isa or _isa()])
+
+
+def _cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists `flag` (False where it cannot be read)."""
     try:
         return flag in Path("/proc/cpuinfo").read_text().split()
     except OSError:

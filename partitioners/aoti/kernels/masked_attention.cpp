@@ -33,11 +33,11 @@ using namespace kv;
 namespace {
 
 // the first n (1..8) values at p as floats, all 8 when n is 8
-template <typename T>
-inline vec load_upto(const T* p, int n) { return n == LANES ? load(p) : load_first(p, n); }
+template <typename E>
+inline vec load_upto(const E* p, int n) { return n == LANES ? load(p) : load_first(p, n); }
 
-template <typename T>
-inline float dot(const float* a, const T* b, int64_t D) {
+template <typename E>
+inline float dot(const float* a, const E* b, int64_t D) {
   vec s0 = zero(), s1 = zero();
   int64_t d = 0;
   for (; d + 2 * LANES <= D; d += 2 * LANES) {
@@ -53,9 +53,9 @@ inline float dot(const float* a, const T* b, int64_t D) {
 
 // scale * q . k for four cells at once: four independent FMA chains, summed
 // across lanes together
-template <typename T>
-inline void dot4(const float* q, const T* k, const int64_t* cells, int64_t k_sc, int64_t D, float scale, float* out) {
-  const T* rows[4] = {k + cells[0] * k_sc, k + cells[1] * k_sc, k + cells[2] * k_sc, k + cells[3] * k_sc};
+template <typename E>
+inline void dot4(const float* q, const E* k, const int64_t* cells, int64_t k_sc, int64_t D, float scale, float* out) {
+  const E* rows[4] = {k + cells[0] * k_sc, k + cells[1] * k_sc, k + cells[2] * k_sc, k + cells[3] * k_sc};
   vec a0 = zero(), a1 = a0, a2 = a0, a3 = a0;
   for (int64_t d = 0; d < D; d += LANES) {
     const int n = D - d < LANES ? (int)(D - d) : LANES;
@@ -90,8 +90,8 @@ inline float softmax_numerators(float* p, int64_t n) {
 }
 
 // o[0..D) = inverse * sum_i p[i] * v[cells[i]], 64 dims at a time in 8 registers
-template <typename T>
-inline void weighted_values(const float* p, const int64_t* cells, int64_t n, const T* vh, int64_t v_sc, int64_t D,
+template <typename E>
+inline void weighted_values(const float* p, const int64_t* cells, int64_t n, const E* vh, int64_t v_sc, int64_t D,
                             float inverse, float* o) {
   const vec scale = broadcast(inverse);
   for (int64_t d0 = 0; d0 < D; d0 += 8 * LANES) {
@@ -100,7 +100,7 @@ inline void weighted_values(const float* p, const int64_t* cells, int64_t n, con
     if (D - d0 >= 8 * LANES) {
       for (int64_t i = 0; i < n; i++) {
         const vec w = broadcast(p[i]);
-        const T* row = vh + cells[i] * v_sc + d0;
+        const E* row = vh + cells[i] * v_sc + d0;
 #pragma GCC unroll 8
         for (int b = 0; b < 8; b++) a[b] = fma(w, load(row + LANES * b), a[b]);
       }
@@ -109,7 +109,7 @@ inline void weighted_values(const float* p, const int64_t* cells, int64_t n, con
       const int blocks = (int)((D - d0 + LANES - 1) / LANES);
       for (int64_t i = 0; i < n; i++) {
         const vec w = broadcast(p[i]);
-        const T* row = vh + cells[i] * v_sc + d0;
+        const E* row = vh + cells[i] * v_sc + d0;
         for (int b = 0; b < blocks; b++) {
           const int width = D - d0 - LANES * b < LANES ? (int)(D - d0 - LANES * b) : LANES;
           a[b] = fma(w, load_first(row + LANES * b, width), a[b]);
@@ -123,25 +123,26 @@ inline void weighted_values(const float* p, const int64_t* cells, int64_t n, con
   }
 }
 
-template <typename T>
-void attend(const float* q, int64_t q_sh, int64_t q_st, const T* k, int64_t k_sh, int64_t k_sc, const T* v,
+// E: the pools' element type, float or uint16_t (bf16's raw values)
+template <typename E>
+void attend(const float* q, int64_t q_sh, int64_t q_st, const E* k, int64_t k_sh, int64_t k_sc, const E* v,
             int64_t v_sh, int64_t v_sc, const bool* mask, int64_t m_st, int64_t m_sc, float* out, int64_t H,
-            int64_t Hkv, int64_t T_, int64_t C, int64_t D, float scale) {
+            int64_t Hkv, int64_t T, int64_t C, int64_t D, float scale) {
   const int64_t group = H / Hkv;
 #pragma omp parallel
   {
     std::vector<int64_t> cells(C);
     std::vector<float> p(C + LANES);
 #pragma omp for schedule(static)
-    for (int64_t task = 0; task < T_ * Hkv; task++) {
+    for (int64_t task = 0; task < T * Hkv; task++) {
       const int64_t t = task / Hkv, kvh = task % Hkv;
       int64_t n = 0;
       for (int64_t c = 0; c < C; c++)
         if (mask[t * m_st + c * m_sc]) cells[n++] = c;
-      const T* kh = k + kvh * k_sh;
-      const T* vh = v + kvh * v_sh;
+      const E* kh = k + kvh * k_sh;
+      const E* vh = v + kvh * v_sh;
       for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
-        float* o = out + (h * T_ + t) * D;
+        float* o = out + (h * T + t) * D;
         if (n == 0) {
           for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
           continue;
