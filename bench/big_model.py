@@ -77,20 +77,22 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SHARD_BYTES = 2 << 30
 
 
-def write_checkpoint(shape: str, dtype: str, directory: Path) -> dict:
+def write_checkpoint(shape: str, dtype: str, directory: Path, overrides: dict | None = None) -> dict:
     """The shape's model as sharded safetensors with random weights (std
-    0.02, norms 1), one tensor generated at a time. Reused when complete."""
+    0.02, norms 1), one tensor generated at a time, its config changed by
+    `overrides` (another vocabulary). Reused when complete."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kvexport.contract.safetensors_io import SafetensorsWriter
 
     done = directory / "model.safetensors.index.json"
-    if done.is_file() and json.loads(done.read_text()).get("kvexport_bench") == [shape, dtype]:
+    written = [shape, dtype, overrides] if overrides else [shape, dtype]
+    if done.is_file() and json.loads(done.read_text()).get("kvexport_bench") == written:
         return {"written_s": 0.0, "reused": True}
     start = time.perf_counter()
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
-    spec = dict(SHAPES[shape])
+    spec = dict(SHAPES[shape]) | (overrides or {})
     config = AutoConfig.for_model(spec.pop("model_type"), **spec, torch_dtype=dtype.replace("fp32", "float32").replace("bf16", "bfloat16"))
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -122,7 +124,7 @@ def write_checkpoint(shape: str, dtype: str, directory: Path) -> dict:
         print(f"wrote {file}", file=sys.stderr, flush=True)
     config.save_pretrained(directory)
     total = sum(torch.Size(s).numel() * d.itemsize for d, s in names.values())
-    done.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map, "kvexport_bench": [shape, dtype]}))
+    done.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map, "kvexport_bench": written}))
     return {"written_s": round(time.perf_counter() - start, 1), "reused": False}
 
 

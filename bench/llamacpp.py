@@ -3,6 +3,16 @@ batch 1, 8 sequences aggregated, and a 512-token prompt, for llama.cpp F32,
 BF16, Q8_0 and Q4_0 and for the packages given.
 
     python bench/llamacpp.py [--package fp32-aoti=PKG ...] [--model smollm2-135m] [--rounds 3]
+    python bench/llamacpp.py --shape llama3.2-1b [--export fp32,bf16,8w,4w] [--rounds 2]
+
+With --shape, the model is a real size (bench/big_model.py's shapes): random
+weights in the shape's architecture, with SmolLM2's tokenizer and vocabulary
+(49152 tokens: nothing comes from a model hub, and llama.cpp needs a real
+tokenizer), written once as a Hugging Face directory in the cache. llama.cpp
+converts that directory; `--export` exports kvexport's aoti packages of it
+(`--forward-sizes 1,8 --max-step-tokens 512`, quantized ones with
+`--qembedding 8w`; kept in the cache) and measures them beside it, so both
+read the same model at every precision.
 
 llama.cpp is built from the vendored tree of the `llama-cpp-python==0.3.36`
 sdist (fetched from the package registry; CMake, CPU only, -march=native),
@@ -70,7 +80,7 @@ def models(tree: Path, root: Path, model: str) -> dict[str, Path]:
     """F32, BF16, Q8_0 and Q4_0 GGUF files of `model` (converted once)."""
     out = {"F32": f32_gguf(tree, root, model)}
     for kind in ("BF16", "Q8_0", "Q4_0"):
-        out[kind] = root / f"{model}-{kind}.gguf"
+        out[kind] = root / f"{Path(model).name}-{kind}.gguf"
         if not out[kind].exists():
             run([str(tree / "build" / "bin" / "llama-quantize"), str(out["F32"]), str(out[kind]), kind], capture=False)
     return out
@@ -78,7 +88,7 @@ def models(tree: Path, root: Path, model: str) -> dict[str, Path]:
 
 def f32_gguf(tree: Path, root: Path, model: str) -> Path:
     """The F32 GGUF file of `model` (converted once)."""
-    out = root / f"{model}-F32.gguf"
+    out = root / f"{Path(model).name}-F32.gguf"
     if out.exists():
         return out
     if model == "smollm2-135m":
@@ -88,13 +98,47 @@ def f32_gguf(tree: Path, root: Path, model: str) -> Path:
         run([str(tree / "build" / "bin" / "llama-quantize"), "--allow-requantize", str(_smollm2_gguf()),
              str(out), "F32"], capture=False)
     else:  # needs convert_hf_to_gguf.py's own requirements (sentencepiece, numpy)
-        hf_dir = root / f"{model}-hf"
+        hf_dir = Path(model) if Path(model).is_dir() else root / f"{model}-hf"
         if not (hf_dir / "config.json").exists():
             loaded = load_model(model)
             loaded.model.save_pretrained(hf_dir)
             loaded.tokenizer.save_pretrained(hf_dir)
         run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
              "--outfile", str(out)], capture=False, env={**os.environ, "PYTHONPATH": str(tree / "gguf-py")})
+    return out
+
+
+def shape_directory(root: Path, shape: str) -> Path:
+    """A Hugging Face directory of `shape` (bench/big_model.py) with random
+    fp32 weights and SmolLM2's tokenizer and vocabulary, written once."""
+    import shutil
+
+    from big_model import write_checkpoint
+    from kvexport.exporter.sources.models import _converted_gguf, _smollm2_gguf
+
+    directory = root / f"{shape}-hf"
+    smollm2 = _converted_gguf(_smollm2_gguf(), lambda message: None)
+    config = json.loads((smollm2 / "config.json").read_text())
+    vocabulary = {k: config[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")}
+    write_checkpoint(shape, "fp32", directory, vocabulary)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (smollm2 / name).exists():
+            shutil.copyfile(smollm2 / name, directory / name)
+    return directory
+
+
+# kvexport's packages of a shape, by label: the flags beyond the common ones
+EXPORTS = {"fp32": [], "bf16": ["--dtype", "bf16"], "8w": ["--qlinear", "8w", "--qembedding", "8w"],
+           "4w": ["--qlinear", "4w", "--qembedding", "8w"]}
+
+
+def exported(root: Path, source: Path, label: str) -> Path:
+    """kvexport's aoti package of `source` at the precision `label`, exported once."""
+    out = root / "packages" / f"{source.name}-{label}"
+    if not (out / "manifest.json").exists():
+        run([sys.executable, "-m", "kvexport.cli.main", "export", str(source), "--use-offgraph-kv-cache", "--backend", "aoti",
+             "--forward-sizes", "1,8", "--max-step-tokens", "512", *EXPORTS[label], "-o", str(out), "--overwrite"],
+            capture=False)
     return out
 
 
@@ -135,6 +179,10 @@ def ours(package: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--shape", help="a real-size shape from bench/big_model.py (llama3.2-1b), random weights, "
+                                        "SmolLM2's tokenizer: the model both tools read, instead of --model")
+    parser.add_argument("--export", default="", help="comma-separated precisions of kvexport packages to export "
+                                                      f"from the model and measure ({','.join(EXPORTS)})")
     parser.add_argument("--package", action="append", default=[], help="LABEL=PKG, measured beside llama.cpp")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--rounds", type=int, default=1,
@@ -146,8 +194,14 @@ def main() -> None:
     args = parser.parse_args()
     root = cache_dir() / f"llama.cpp-{VERSION}"
     tree = build(root)
-    result = {"cpu": cpu_model(), "threads": args.threads, "rounds": args.rounds, "llama.cpp": {}}
-    ggufs = models(tree, root, args.model)
+    model = str(shape_directory(root, args.shape)) if args.shape else args.model
+    result = {"cpu": cpu_model(), "threads": args.threads, "rounds": args.rounds, "model": args.shape or model,
+              "llama.cpp": {}}
+    ggufs = models(tree, root, model)
+    for label in filter(None, args.export.split(",")):
+        if label not in EXPORTS:
+            parser.error(f"--export takes {', '.join(EXPORTS)}; got {label!r}")
+        args.package.append(f"{label}={exported(root, Path(model), label)}")
     for _ in range(args.rounds):
         for kind, gguf in ggufs.items():
             keep_best(result["llama.cpp"].setdefault(kind, {}), llama_rates(tree, gguf, args.threads, args.omp_passive))

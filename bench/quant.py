@@ -62,6 +62,8 @@ def main() -> None:
     parser.add_argument("--fp32", required=True, type=Path)
     parser.add_argument("--quantized", action="append", default=[], help="SCHEME=PKG")
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--agreement-only", action="store_true",
+                        help="Only the top-1 agreement and sizes: no decode timings (any backend's packages, portable ones export fastest).")
     args = parser.parse_args()
     fp32 = load(args.fp32)
     text = fp32.package.tokenizer()
@@ -77,11 +79,12 @@ def main() -> None:
         with torch.no_grad():
             hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False)
 
-    hf_run(2)
-    hf_s = decode_seconds(hf_run, args.new_tokens, 2)
-    hf_tps = (args.new_tokens - 1) / hf_s
-    read_gbps = weight_read_gbps()["mm_2_columns"]
-    result = {"cpu": cpu_model(), "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "default"), "hf_generate_fp32_batch1_tokens_per_s": round(hf_tps, 2), "read_gbps": round(read_gbps, 1), "schemes": {}}
+    result = {"cpu": cpu_model(), "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY", "default"), "schemes": {}}
+    if not args.agreement_only:
+        hf_run(2)
+        hf_tps = (args.new_tokens - 1) / decode_seconds(hf_run, args.new_tokens, 2)
+        read_gbps = weight_read_gbps()["mm_2_columns"]
+        result |= {"hf_generate_fp32_batch1_tokens_per_s": round(hf_tps, 2), "read_gbps": round(read_gbps, 1)}
     fp32_bytes: dict[str, int] = {}
     for item in ["fp32=" + str(args.fp32)] + args.quantized:
         scheme, path = item.split("=", 1)
@@ -99,7 +102,10 @@ def main() -> None:
             row["compiled_for"] = isa
         if backend in fp32_bytes:
             row["package_over_fp32_package"] = round(package_bytes / fp32_bytes[backend], 3)
-        for batch in (1, 8):
+        linears = [c for c in manifest.get("quantization", {}).get("coverage", []) if c["kind"] == "linear"]
+        if linears:  # how many linears take int8 activations (--qact)
+            row["linears_with_int8_activations"] = f"{sum(c.get('activations') == 'int8' for c in linears)}/{len(linears)}"
+        for batch in () if args.agreement_only else (1, 8):
             def ours(n: int, batch=batch) -> None:
                 generate(runtime, prompts[:batch], n, stop_at_eos=False)
 

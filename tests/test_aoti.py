@@ -71,9 +71,11 @@ def test_static_methods_carry_the_row_kernel(aoti_package):
     for name, entry in manifest["methods"].items():
         with zipfile.ZipFile(aoti_package / entry["compiled"]) as archive:
             library = b"".join(archive.read(n) for n in archive.namelist() if n.endswith(".so"))
-        static = name.startswith("forward_") and name != "forward_others"
-        assert (b"kvexport_rows_linear" in library) == static, name
-        assert (b"kvexport_masked_attention" in library) == static, name
+        # forward_others links the kernels for attention (its shim takes one session's causal slice); the
+        # library holds every shim then, so only the samplers show that a method links none
+        forward = name.startswith("forward_")
+        assert (b"kvexport_rows_linear" in library) == forward, name
+        assert (b"kvexport_masked_attention" in library) == forward, name
         program = gzip.decompress((aoti_package / entry["program"]).read_bytes())
         assert b"rows_linear" not in program and b"masked_attention" not in program
 

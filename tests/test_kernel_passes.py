@@ -115,13 +115,17 @@ def test_masked_attention_takes_the_kernels_row_counts(rows):
     torch.testing.assert_close(program.module()(*inputs), PoolAttention()(*inputs))
 
 
-def test_masked_attention_leaves_dynamic_rows_to_sdpa():
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_masked_attention_takes_dynamic_rows_unless_told_not_to(dynamic):
+    """A row count known only at run time (forward_others) goes to the kernel,
+    whose shim takes one session's causal slice in two sdpa calls."""
     inputs = (torch.randn(1, 6, 4, 16), torch.randn(10, 2, 16), torch.randn(10, 2, 16), torch.rand(4, 10) > 0.5)
     rows = torch.export.Dim("T", min=2, max=8)
     program = torch.export.export(PoolAttention(), inputs, strict=False,
                                   dynamic_shapes=({2: rows}, None, None, {0: rows}))
-    run_passes(program.graph_module, [MaskedAttentionPass(tuple(range(1, 17)))], "m")
-    assert MASKED_ATTENTION not in targets(program)
+    run_passes(program.graph_module, [MaskedAttentionPass(tuple(range(1, 17)), dynamic=dynamic)], "m")
+    assert (MASKED_ATTENTION in targets(program)) == dynamic
+    torch.testing.assert_close(program.module()(*inputs), PoolAttention()(*inputs))
 
 
 def test_weight_stationary_linear_leaves_the_row_kernels_counts_as_linears():

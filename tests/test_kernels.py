@@ -186,6 +186,79 @@ def test_the_shim_hands_dense_rows_to_sdpa(shims):
     torch.testing.assert_close(shims.call("masked_attention", query, key, value, mask, 0.5), want, rtol=1e-5, atol=1e-5)
 
 
+def causal_slice_operands(heads, kv_heads, rows, history, head_dim, spread=False, dtype=torch.float32, seed=0):
+    """One session's slice as the cell cache lays it out: cell 0 the scratch
+    cell (unseen), the session's earlier cells, then the slice's own, row t
+    seeing the history and own cells 0..t. With spread, the session's cells
+    sit among another session's (the shim gathers them)."""
+    g = torch.Generator().manual_seed(rows * 31 + history + seed)
+    step = 2 if spread else 1
+    cells = 1 + step * (history + rows)
+    pool_k, pool_v = (torch.randn(cells, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
+    key, value = pool_k.permute(1, 0, 2).unsqueeze(0), pool_v.permute(1, 0, 2).unsqueeze(0)
+    query = (torch.randn(1, rows, heads, head_dim, generator=g).transpose(1, 2) * 3).to(dtype)
+    position = torch.full((cells,), 1 << 30)  # unseen: the scratch cell and another session's cells
+    position[1::step] = torch.arange(history + rows)
+    mask = position[None, :] <= torch.arange(history, history + rows)[:, None]
+    return query, key, value, mask
+
+
+# a slice with and without a history; GQA; one kv head; head dims with a tail;
+# a slice of the kernels' static rows; cells among another session's
+CAUSAL_CASES = [(9, 3, 40, 0, 64, False), (9, 3, 37, 100, 64, False), (4, 1, 20, 7, 20, True),
+                (6, 2, 8, 30, 72, False), (2, 2, 70, 513, 16, True)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,rows,history,head_dim,spread", CAUSAL_CASES)
+def test_the_shim_takes_a_causal_slice_as_history_and_own_cells(shims, heads, kv_heads, rows, history, head_dim, spread):
+    """A single session's slice (dense history, causal own cells: two sdpa
+    calls merged by their log-sum-exps) gives sdpa's result through the
+    mask, over fp32 and bf16 pools."""
+    query, key, value, mask = causal_slice_operands(heads, kv_heads, rows, history, head_dim, spread)
+    want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(shims.call("masked_attention", query, key, value, mask, 0.3), want, rtol=1e-5, atol=1e-5)
+    query, key, value = query.bfloat16(), key.bfloat16(), value.bfloat16()
+    want = torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
+                                                            scale=0.3, enable_gqa=True)
+    got = shims.call("masked_attention", query, key, value, mask, 0.3)
+    assert got.dtype == torch.bfloat16
+    # two bf16 results merged: an ulp of bf16 each
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("change", ["a row sees one cell less", "two rows see a new cell", "a second session",
+                                    "a window", "no history"])
+def test_masks_that_are_not_a_causal_slice_keep_their_meaning(shims, change):
+    """Masks near a causal slice but not one go the other ways (sdpa through
+    the mask, or the kernel): each still gives sdpa's result."""
+    query, key, value, mask = causal_slice_operands(6, 2, 24, 10, 32)
+    if change == "a row sees one cell less":
+        mask[12, 3] = False
+    elif change == "two rows see a new cell":
+        mask[5, 1 + 10 + 6] = True
+    elif change == "a second session":
+        mask[12:, 1:11] = False
+    elif change == "a window":
+        mask &= torch.arange(mask.shape[1])[None, :] > torch.arange(mask.shape[0])[:, None]
+    else:
+        mask[:, :11] = False
+        mask[0, 11] = False
+        mask[0, 0] = True
+    want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(shims.call("masked_attention", query, key, value, mask, 0.3), want, rtol=1e-5, atol=1e-5)
+
+
+def test_over_many_rows_masks_that_are_no_slice_go_to_sdpa(shims):
+    """Over more rows than a static method takes (a prefill of several
+    sessions at once), fp32 and bf16 alike."""
+    query, key, value, mask = attention_operands(6, 2, 40, 90, 32)
+    want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(shims.call("masked_attention", query, key, value, mask, 0.3), want, rtol=1e-5, atol=1e-5)
+    query, key, value = query.bfloat16(), key.bfloat16(), value.bfloat16()
+    want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(shims.call("masked_attention", query, key, value, mask, 0.3), want)
+
+
 def test_softmax_holds_for_large_and_distant_scores(isa):
     """The exp runs on max-subtracted scores: large ones do not overflow, and
     scores 100 apart give the far one no weight."""

@@ -51,6 +51,7 @@ AOTITorchError new_tensor(int32_t dtype, int dims, const int64_t* size, AtenTens
     return AOTI_TORCH_FAILURE;
   if (aoti_torch_get_data_ptr(*out, data)) {
     aoti_torch_delete_tensor_object(*out);
+    *out = nullptr;
     return AOTI_TORCH_FAILURE;
   }
   return AOTI_TORCH_SUCCESS;
@@ -79,6 +80,9 @@ inline uint16_t to_bf16(float f) {
 // faster through sdpa's blocked products (bench/attention_kernels.py: 8 rows
 // over 1024 cells, 0.23 ms against 0.29): the kernel pays for each row alone.
 constexpr int64_t DENSE_MIN_ROWS = 4;
+// the kernel gathers each row's cells alone: over more rows (a dynamic prefill
+// of several sessions) sdpa's blocked products win
+constexpr int64_t SPARSE_MAX_ROWS = 16;
 
 bool dense(const Operand& mask, int64_t T, int64_t C) {
   int64_t visible = 0;
@@ -110,6 +114,139 @@ AOTITorchError attend_with_sdpa(AtenTensorHandle query, AtenTensorHandle key, At
   if (!error) error = aoti_torch_copy_(out, result, 0);
   for (AtenTensorHandle t : {additive, result, logsumexp})
     if (t) aoti_torch_delete_tensor_object(t);
+  return error;
+}
+
+// ------------------------------------------------- one session's slice, causal
+// A prompt slice of one session attends over the session's earlier cells (its
+// history, which every row sees) and over its own cells causally (row t sees
+// the slice's first t + 1). Through the mask, sdpa scores every row against
+// every cell and then drops half of the slice's own; here the history is
+// scored densely and the own cells by sdpa's causal blocks, which skip the
+// masked half, and the two results merge by their log-sum-exps.
+// (bench/prefill.py: a 2048-token prompt in 512-token slices)
+struct CausalSlice {
+  std::vector<int64_t> history;  // cells every row sees, in cell order
+  std::vector<int64_t> own;      // own[t]: the cell row t is the first to see (own[0]: one every row sees)
+};
+
+// whether the mask is one session's causal slice, and its cells: row 0 sees
+// the history and one own cell, and each next row what the one before saw and
+// one cell more. Row by row in byte operations the compiler vectorizes (every
+// layer checks its mask: 512 rows over 2048 cells are a megabyte); a mask with
+// strided cells is taken as no slice
+bool causal_slice(const Operand& mask, int64_t T, int64_t C, CausalSlice& slice) {
+  if (mask.strides[1] != 1) return false;
+  const uint8_t* row = (const uint8_t*)mask.data;
+  slice.history.clear();
+  for (int64_t c = 0; c < C; c++)
+    if (row[c]) slice.history.push_back(c);
+  if (slice.history.empty()) return false;
+  slice.own.assign(T, -1);
+  int64_t seen = (int64_t)slice.history.size();
+  for (int64_t t = 1; t < T; t++) {
+    const uint8_t* before = row;
+    row = (const uint8_t*)mask.data + t * mask.strides[0];
+    uint8_t lost = 0;
+    int64_t count = 0, added = 0;  // added: the sum of the new cells' indices
+    for (int64_t c = 0; c < C; c++) {
+      lost |= before[c] & (uint8_t)~row[c];
+      count += row[c];
+      added += (int64_t)(row[c] & (uint8_t)~before[c]) * c;
+    }
+    if (lost || count != seen + 1) return false;  // with nothing lost, one more cell is exactly one new cell
+    slice.own[t] = added;
+    seen = count;
+  }
+  slice.own[0] = slice.history.back();
+  slice.history.pop_back();
+  return true;
+}
+
+// the pool's rows at `cells` as a [1, Hkv, n, D] tensor: a view where the
+// cells are consecutive (a session's cells usually are), else a gathered copy
+AOTITorchError pool_part(AtenTensorHandle pool, const Operand& o, const std::vector<int64_t>& cells,
+                         AtenTensorHandle* out) {
+  const int64_t n = (int64_t)cells.size(), Hkv = o.sizes[1], D = o.sizes[3];
+  bool consecutive = true;
+  for (int64_t i = 1; i < n && consecutive; i++) consecutive = cells[i] == cells[0] + i;
+  const int64_t size[4] = {1, Hkv, n, D};
+  if (consecutive) {
+    int64_t offset;
+    if (aoti_torch_get_storage_offset(pool, &offset)) return AOTI_TORCH_FAILURE;
+    return aoti_torch__reinterpret_tensor(pool, 4, size, o.strides, offset + cells[0] * o.strides[2], out);
+  }
+  void* data;
+  if (new_tensor(o.dtype, 4, size, out, &data)) return AOTI_TORCH_FAILURE;
+  const int64_t bytes = o.dtype == aoti_torch_dtype_float32() ? 4 : 2;
+  for (int64_t h = 0; h < Hkv; h++)
+    for (int64_t i = 0; i < n; i++)
+      std::memcpy((char*)data + ((h * n + i) * D) * bytes,
+                  (const char*)o.data + (h * o.strides[1] + cells[i] * o.strides[2]) * bytes, D * bytes);
+  return AOTI_TORCH_SUCCESS;
+}
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) { return from_bf16(x); }
+inline void narrow(float x, float* to) { *to = x; }
+inline void narrow(float x, uint16_t* to) { *to = to_bf16(x); }
+
+// out [H, T, D] = the parts' results ([1, H, T, D] of E) weighted by
+// e^(their log-sum-exp [1, H, T], fp32), normalized
+template <typename E>
+void merge(const Operand* result, const Operand* lse, int parts, int64_t H, int64_t T, int64_t D, E* out) {
+  for (int64_t h = 0; h < H; h++)
+    for (int64_t t = 0; t < T; t++) {
+      float w[2] = {1.0f, 0.0f};
+      if (parts == 2) {
+        const float a = ((const float*)lse[0].data)[h * lse[0].strides[1] + t * lse[0].strides[2]];
+        const float b = ((const float*)lse[1].data)[h * lse[1].strides[1] + t * lse[1].strides[2]];
+        const float top = a > b ? a : b, ea = std::exp(a - top), eb = std::exp(b - top);
+        w[0] = ea / (ea + eb);
+        w[1] = eb / (ea + eb);
+      }
+      const E* r[2];
+      int64_t step[2];
+      for (int p = 0; p < parts; p++) {
+        r[p] = (const E*)result[p].data + h * result[p].strides[1] + t * result[p].strides[2];
+        step[p] = result[p].strides[3];
+      }
+      E* o = out + (h * T + t) * D;
+      if (parts == 1)
+        for (int64_t d = 0; d < D; d++) narrow(widen(r[0][d * step[0]]), o + d);
+      else
+        for (int64_t d = 0; d < D; d++) narrow(w[0] * widen(r[0][d * step[0]]) + w[1] * widen(r[1][d * step[1]]), o + d);
+    }
+}
+
+// out = the attention of `query` over the slice's history and own cells
+AOTITorchError attend_causal_slice(AtenTensorHandle query, AtenTensorHandle key, AtenTensorHandle value,
+                                   const Operand* o, const CausalSlice& slice, double scale, AtenTensorHandle out) {
+  const int64_t H = o[0].sizes[1], T = o[0].sizes[2], D = o[0].sizes[3];
+  // parts[0]: the own cells (causal), parts[1]: the history (dense) where there is one
+  std::vector<AtenTensorHandle> handles;  // every handle made here, deleted at the end
+  AOTITorchError error = AOTI_TORCH_SUCCESS;
+  Operand result[2], lse[2];
+  const int parts = slice.history.empty() ? 1 : 2;
+  for (int p = 0; p < parts && !error; p++) {
+    const std::vector<int64_t>& cells = p == 0 ? slice.own : slice.history;
+    AtenTensorHandle k = nullptr, v = nullptr, r = nullptr, l = nullptr;
+    error = pool_part(key, o[1], cells, &k);
+    if (k) handles.push_back(k);
+    if (!error) error = pool_part(value, o[2], cells, &v);
+    if (v) handles.push_back(v);
+    if (!error)
+      error = aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, p == 0, nullptr, &scale,
+                                                                         &r, &l);
+    for (AtenTensorHandle t : {r, l})
+      if (t) handles.push_back(t);
+    if (!error && !(read(r, result[p]) && read(l, lse[p]))) error = AOTI_TORCH_FAILURE;
+  }
+  void* out_data = nullptr;
+  if (!error) error = aoti_torch_get_data_ptr(out, &out_data);
+  if (!error && o[0].dtype == aoti_torch_dtype_float32()) merge<float>(result, lse, parts, H, T, D, (float*)out_data);
+  else if (!error) merge<uint16_t>(result, lse, parts, H, T, D, (uint16_t*)out_data);
+  for (AtenTensorHandle t : handles) aoti_torch_delete_tensor_object(t);
   return error;
 }
 
@@ -270,6 +407,26 @@ extern "C" AOTITorchError aoti_torch_cpu_masked_attention(AtenTensorHandle query
   void* out_data;
   if (new_tensor(o[0].dtype, 4, size, &out, &out_data))
     return refuse("masked_attention", "the result could not be allocated");
+  CausalSlice slice;
+  if (T >= DENSE_MIN_ROWS && C > 0 && D > 0 && causal_slice(o[3], T, C, slice)) {
+    if (attend_causal_slice(query, key, value, o, slice, scale, out)) {
+      aoti_torch_delete_tensor_object(out);
+      return refuse("masked_attention", "torch's sdpa failed on a causal slice");
+    }
+    *ret0 = out;
+    return AOTI_TORCH_SUCCESS;
+  }
+  // over more rows than a static method takes (a prefill of several sessions), and over 4+ fp32 rows
+  // that see most cells, sdpa through the mask
+  if (T > SPARSE_MAX_ROWS || (T >= DENSE_MIN_ROWS && o[0].dtype == aoti_torch_dtype_float32() && dense(o[3], T, C))) {
+    const AOTITorchError error = attend_with_sdpa(query, key, value, o[3], T, C, scale, out);
+    if (error) {
+      aoti_torch_delete_tensor_object(out);
+      return refuse("masked_attention", "torch's sdpa failed on the dense rows");
+    }
+    *ret0 = out;
+    return AOTI_TORCH_SUCCESS;
+  }
   if (o[0].dtype == aoti_torch_dtype_bfloat16()) {  // bf16: the query widened, the pools read as bf16, the result rounded
     if (H > 0 && T > 0 && D > 0) {
       std::vector<float> q(H * T * D), result(H * T * D);
@@ -283,15 +440,6 @@ extern "C" AOTITorchError aoti_torch_cpu_masked_attention(AtenTensorHandle query
                                      (const bool*)o[3].data, o[3].strides[0], o[3].strides[1], result.data(), H, Hkv, T,
                                      C, D, (float)scale);
       for (int64_t i = 0; i < H * T * D; i++) ((uint16_t*)out_data)[i] = to_bf16(result[i]);
-    }
-    *ret0 = out;
-    return AOTI_TORCH_SUCCESS;
-  }
-  if (T >= DENSE_MIN_ROWS && dense(o[3], T, C)) {
-    const AOTITorchError error = attend_with_sdpa(query, key, value, o[3], T, C, scale, out);
-    if (error) {
-      aoti_torch_delete_tensor_object(out);
-      return refuse("masked_attention", "torch's sdpa failed on the dense rows");
     }
     *ret0 = out;
     return AOTI_TORCH_SUCCESS;

@@ -7,6 +7,14 @@ drops most of them: with 8 sessions in a step, each row sees only its own
 session's cells. The kernel gathers each row's visible cells and attends over
 those alone (bench/attention_kernels.py measures both).
 
+Over a row count known only at run time (forward_others, a prefill), the
+kernel's shim takes one session's slice of a prompt as two sdpa calls, a
+dense one over the session's earlier cells and a causal one over the slice's
+own cells, merged by their log-sum-exps: through the mask, sdpa scores every
+cell and drops half of the slice's own (bench/prefill.py measures a 2048-token
+prompt). Other masks over that many rows go to sdpa through the mask, as
+before.
+
 Like the row kernel, the rewrite happens only where a method is compiled
 (compile.py), for the row counts the row kernel takes; the
 stored programs keep `aten.scaled_dot_product_attention`. The eager
@@ -44,8 +52,9 @@ class MaskedAttentionPass(RewritePass):
     name = "masked_attention"
     leftover = "attention over the kernel's row counts left on sdpa"
 
-    def __init__(self, rows: tuple[int, ...]):
+    def __init__(self, rows: tuple[int, ...], dynamic: bool = True):
         self.rows = frozenset(rows)
+        self.dynamic = dynamic  # also a row count known only at run time
 
     def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
         return [n for n in graph_module.graph.nodes if n.op == "call_function" and n.target is _SDPA and self._takes(n)]
@@ -57,8 +66,10 @@ class MaskedAttentionPass(RewritePass):
         if any(v is None for v in vals) or given.get("dropout_p", 0.0) or given.get("is_causal", False):
             return False
         query, key, value, mask = vals
-        static = all(isinstance(d, int) for d in query.shape)
-        return (static and query.dim() == 4 and query.shape[0] == 1 and query.shape[2] in self.rows
+        if query.dim() != 4 or not all(isinstance(d, int) for d in (*query.shape[:2], query.shape[3])):
+            return False
+        rows = query.shape[2]
+        return ((rows in self.rows if isinstance(rows, int) else self.dynamic) and query.shape[0] == 1
                 and query.dtype in (torch.float32, torch.bfloat16) and key.dtype == value.dtype == query.dtype
                 and key.dim() == 4 and value.dim() == 4
                 and mask.dtype == torch.bool and mask.dim() == 2
