@@ -10,7 +10,8 @@ weights in the shape's architecture, with SmolLM2's tokenizer and vocabulary
 (49152 tokens: nothing comes from a model hub, and llama.cpp needs a real
 tokenizer), written once as a Hugging Face directory in the cache. llama.cpp
 converts that directory; `--export` exports kvexport's aoti packages of it
-(`--forward-sizes 1,8 --max-step-tokens 512`, quantized ones with
+(`--forward-sizes 1,8 --max-step-tokens 512 --row-kernel on`: the probe
+that `auto` runs misjudges rows on a busy machine; quantized ones with
 `--qembedding 8w`; kept in the cache) and measures them beside it, so both
 read the same model at every precision.
 
@@ -137,7 +138,8 @@ def exported(root: Path, source: Path, label: str) -> Path:
     out = root / "packages" / f"{source.name}-{label}"
     if not (out / "manifest.json").exists():
         run([sys.executable, "-m", "kvexport.cli.main", "export", str(source), "--use-offgraph-kv-cache", "--backend", "aoti",
-             "--forward-sizes", "1,8", "--max-step-tokens", "512", *EXPORTS[label], "-o", str(out), "--overwrite"],
+             "--forward-sizes", "1,8", "--max-step-tokens", "512", "--row-kernel", "on", *EXPORTS[label], "-o", str(out),
+             "--overwrite"],
             capture=False)
     return out
 

@@ -91,6 +91,19 @@ def test_export_errors(tmp_path, args, fragments):
     assert not (tmp_path / "pkg").exists()
 
 
+def test_an_unknown_model_is_refused_before_the_backend_measures_the_machine(tmp_path, monkeypatch):
+    """A mistyped model name fails in the memory plan, from the name alone:
+    the aoti backend's probe (seconds to minutes) never runs for it."""
+    from kvexport.partitioners.aoti.kernels import probe
+
+    def measured(*args):
+        raise AssertionError("the probe ran")
+
+    monkeypatch.setattr(probe, "kernel_rows", measured)
+    result = run("export", "smollm2-13m", "--backend", "aoti", "--use-offgraph-kv-cache", "-o", str(tmp_path / "pkg"))
+    expect_error(result, "'smollm2-13m' is neither a path nor a built-in", "smollm2-135m")
+
+
 def test_without_the_flag_the_in_graph_contract(tmp_path):
     result = run("export", "tiny-llama", "-o", str(tmp_path / "pkg"), "--max-step-tokens", "8", "--max-context-len", "32")
     assert result.exit_code == 0, result.output

@@ -67,16 +67,20 @@ def load_model(source: str, dtype: str = "fp32", progress: Callable[[str], None]
     if path.is_file() and path.suffix == ".gguf":
         loaded = _load_directory(_converted_gguf(path, progress), dtype, {"gguf": path.name}, progress)
         return dataclasses.replace(loaded, gguf=path)
-    if path.exists():
-        raise ModelError(f"{source}: expected a Hugging Face model directory or a .gguf file")
-    if _REPO_ID.fullmatch(source):
+    if not path.exists() and _REPO_ID.fullmatch(source):
         snapshot = _from_hf_cache(source)
         return _load_directory(snapshot, dtype, {"hf_repo": source, "revision": snapshot.name}, progress)
+    raise _unknown_source(source)
+
+
+def _unknown_source(source: str) -> ModelError:
+    """Why `source` names no model: neither a built-in, a directory, a .gguf
+    file nor a cached hub id."""
+    if Path(source).exists():
+        return ModelError(f"{source}: expected a Hugging Face model directory or a .gguf file")
     if os.sep in source or source.startswith("."):
-        raise ModelError(f"{source}: no such file or directory")
-    raise ModelError(
-        f"{source!r} is neither a path nor a built-in model; built-ins: {', '.join(sorted(BUILTINS))}"
-    )
+        return ModelError(f"{source}: no such file or directory")
+    return ModelError(f"{source!r} is neither a path nor a built-in model; built-ins: {', '.join(sorted(BUILTINS))}")
 
 
 GGUF_HELD_COPIES = 3
@@ -113,10 +117,11 @@ def source_weights(source: str, dtype: str) -> SourceWeights:
             return SourceWeights(sum(values) * target.itemsize, GGUF_HELD_COPIES * max(values) * 4,
                                  sum(v for v in values if v > 1 << 16))
         path = converted
-    elif not path.is_dir() and _REPO_ID.fullmatch(source):
+    elif not path.exists() and _REPO_ID.fullmatch(source):
         path = _from_hf_cache(source)
-    if path.is_dir():
-        _refuse_links(path)
+    if not path.is_dir():  # told before the backend measures the machine or builds its kernels
+        raise _unknown_source(source)
+    _refuse_links(path)
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     ranges = []
     for file in files:
