@@ -165,9 +165,12 @@ def llama_rates(tree: Path, gguf: Path, threads: int, passive: bool) -> dict:
     return rates
 
 
-def ours(package: Path) -> dict:
+def ours(package: Path, model: str | None = None) -> dict:
+    """bench/decode.py and bench/prefill.py on `package`, HF on `model` (a
+    manifest records a local source by its folder's name only)."""
     def bench(script: str) -> dict:
-        return json.loads(run([sys.executable, str(HERE / script), "--package", str(package)], cwd=HERE))
+        hf = ["--model", model] if model else []
+        return json.loads(run([sys.executable, str(HERE / script), "--package", str(package), *hf], cwd=HERE))
 
     decode, prefill = bench("decode.py"), bench("prefill.py")
     return {"decode_batch1": decode["batch1"]["package_tokens_per_s"],
@@ -209,7 +212,7 @@ def main() -> None:
             keep_best(result["llama.cpp"].setdefault(kind, {}), llama_rates(tree, gguf, args.threads, args.omp_passive))
         for item in args.package:
             label, _, path = item.partition("=")
-            keep_best(result.setdefault(label, {}), ours(Path(path)))
+            keep_best(result.setdefault(label, {}), ours(Path(path), model if args.shape else None))
     emit(result)
 
 

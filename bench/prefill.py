@@ -23,13 +23,14 @@ from kvexport.runtime import StepEntry, load
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--package", required=True, type=Path)
+    parser.add_argument("--model", help="HF reference (default: the package's source)")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="Also print each run's top operators (torch.profiler self time, ms).")
     args = parser.parse_args()
     manifest = json.loads((args.package / "manifest.json").read_text())
     source = manifest["provenance"]["source"]
-    hf = load_model(source.get("builtin") or source.get("gguf") or source["path"]).model
+    hf = load_model(args.model or source.get("builtin") or source.get("gguf") or source["path"]).model
     runtime = load(args.package)
     ids = torch.randint(3, manifest["metadata"]["get_vocab_size"], (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
 
