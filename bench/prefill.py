@@ -26,6 +26,9 @@ def main() -> None:
     parser.add_argument("--model", help="HF reference (default: the package's source)")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hf-slice", type=int, default=0,
+                        help="Also time HF's forward over the prompt in slices of this many tokens, through its cache "
+                             "(what slicing itself costs: the package's slices are its --max-step-tokens).")
     parser.add_argument("--profile", action="store_true", help="Also print each run's top operators (torch.profiler self time, ms).")
     args = parser.parse_args()
     manifest = json.loads((args.package / "manifest.json").read_text())
@@ -47,8 +50,22 @@ def main() -> None:
         with torch.no_grad():
             hf(torch.tensor([ids]), logits_to_keep=1)
 
+    def hf_sliced() -> None:
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=hf.config)
+        with torch.no_grad():
+            for start in range(0, len(ids), args.hf_slice):
+                hf(torch.tensor([ids[start:start + args.hf_slice]]), past_key_values=cache, use_cache=True,
+                   logits_to_keep=1)
+
     n = args.prompt_len
     ours_s, full_s, last_s = (best_of(f, args.repeats) for f in (ours, hf_full, hf_last))
+    sliced = {}
+    if args.hf_slice:
+        sliced_s = best_of(hf_sliced, args.repeats)
+        sliced = {"hf_slice": args.hf_slice, "hf_sliced_last_row_tokens_per_s": round(n / sliced_s, 1),
+                  "ratio_over_hf_sliced_last_row": round(sliced_s / ours_s, 3)}
     profiles = {name: top_operators(f) for name, f in (("package", ours), ("hf_last_row", hf_last))} if args.profile else None
     emit({
         "profile_self_ms": profiles,
@@ -60,7 +77,7 @@ def main() -> None:
         "hf_forward_last_row_tokens_per_s": round(n / last_s, 1),
         "ratio_over_hf_forward": round(full_s / ours_s, 3),
         "ratio_over_hf_last_row": round(last_s / ours_s, 3),
-    })
+    } | sliced)
 
 
 def top_operators(fn, count: int = 8) -> dict[str, float]:
