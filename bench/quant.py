@@ -48,6 +48,38 @@ TEXT = (
     "more than a billion light years away. Amateur observers still matter too: they find comets, track variable "
     "stars and share careful notes, much as the first sky watchers did thousands of years ago."
 )
+# more text for --tokens beyond 256: kinds of writing a chat model meets (a recipe, code, a letter, a report)
+MORE_TEXT = (
+    " To bake a simple loaf of bread, mix five hundred grams of flour with ten grams of salt and seven grams of dry "
+    "yeast, then add three hundred and fifty millilitres of warm water. Knead the dough for ten minutes until it is "
+    "smooth and springs back when pressed. Leave it covered in a warm place for an hour, until it has doubled in "
+    "size. Shape it into a round, place it on a floured tray, and let it rise for another forty minutes while the "
+    "oven heats to two hundred and twenty degrees. Bake for thirty minutes, until the crust is brown and the loaf "
+    "sounds hollow when tapped underneath. Let it cool before cutting, or the crumb will be gummy.\n\n"
+    "def moving_average(values, window):\n"
+    "    \"\"\"Return the averages of each run of `window` consecutive values.\"\"\"\n"
+    "    if window <= 0:\n"
+    "        raise ValueError(\"window must be positive\")\n"
+    "    total = sum(values[:window])\n"
+    "    averages = [total / window]\n"
+    "    for i in range(window, len(values)):\n"
+    "        total += values[i] - values[i - window]\n"
+    "        averages.append(total / window)\n"
+    "    return averages\n\n"
+    "Dear Ms. Patel, thank you for your letter of the twelfth about the delayed delivery of your order. I am sorry "
+    "that the parcel did not arrive on the date we promised. Our warehouse moved to a new building last month, and "
+    "some orders were held while the shelves were set up again. Your order left us yesterday and should reach you "
+    "within three working days. I have refunded the delivery charge to your card, and I have added a note to your "
+    "account so that our team will call you if anything else goes wrong. Please write to me directly if you have any "
+    "further questions. Yours sincerely, Daniel Moreau, Customer Service.\n\n"
+    "Quarterly report. Sales rose by eight percent compared with the same quarter last year, led by the northern "
+    "region, where two new shops opened in April. Costs grew more slowly than sales, so the operating margin improved "
+    "from eleven to thirteen percent. The online store now accounts for a quarter of all revenue. Staff turnover "
+    "fell after the new training programme began, and customer complaints were the lowest since records started. "
+    "The main risks for the next quarter are higher energy prices, a shortage of delivery drivers, and the cost of "
+    "replacing the old payment system, which the board approved in May. We expect to finish that project by the end "
+    "of the year, within the budget set in the spring."
+)
 
 
 def teacher_forced_top1(runtime, tokens: list[int], chunk: int = 128) -> torch.Tensor:
@@ -62,13 +94,16 @@ def main() -> None:
     parser.add_argument("--fp32", required=True, type=Path)
     parser.add_argument("--quantized", action="append", default=[], help="SCHEME=PKG")
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--tokens", type=int, default=256,
+                        help="teacher-forced tokens for the agreement (up to about 1000: one is 100/N points)")
     parser.add_argument("--agreement-only", action="store_true",
                         help="Only the top-1 agreement and sizes: no decode timings (any backend's packages, portable ones export fastest).")
     args = parser.parse_args()
     fp32 = load(args.fp32)
     text = fp32.package.tokenizer()
-    tokens = text.tokenizer(TEXT)["input_ids"][:256]
-    assert len(tokens) == 256, len(tokens)
+    tokens = text.tokenizer(TEXT + MORE_TEXT)["input_ids"][: args.tokens]
+    if len(tokens) != args.tokens:
+        parser.error(f"the bench's text has {len(tokens)} tokens; ask --tokens {len(tokens)} or fewer")
     reference = teacher_forced_top1(fp32, tokens)
     source = json.loads((args.fp32 / "manifest.json").read_text())["provenance"]["source"]
     hf = load_model(source.get("builtin") or source["path"]).model
