@@ -11,6 +11,11 @@ One session's rows see every cell before them (a causal mask over the last
 rows); "sessions": S rows, one per session, each seeing only its own
 cells/S cells, as a batched decode step does.
 
+One session's slice of a prompt ("slice": T rows over H earlier cells and
+its own T) also goes through the masked attention shim as compiled methods
+call it (for 256+ rows: dense sdpa over the earlier cells, causal over the
+own, merged) beside sdpa through the mask.
+
     python bench/attention_kernels.py
 """
 
@@ -63,13 +68,44 @@ def measure(tokens: int, cells: int, mask: torch.Tensor) -> dict:
     return row
 
 
+SLICE_SHAPES = [(8, 64), (8, 1024), (128, 128), (128, 1536), (256, 1024), (512, 0), (512, 1536)]  # (rows, earlier cells)
+
+
+def measure_slice(tokens: int, history: int) -> dict:
+    """One session's slice through the shim (what forward_others calls) and through sdpa with the mask."""
+    from kvexport.partitioners.aoti.kernels.build import Shims
+
+    cells = history + tokens
+    q = torch.randn(1, HEADS, tokens, HEAD_DIM)
+    k_pool, v_pool = torch.randn(cells, KV_HEADS, HEAD_DIM), torch.randn(cells, KV_HEADS, HEAD_DIM)
+    mask = torch.arange(cells)[None, :] <= (torch.arange(tokens) + history)[:, None]
+    k, v = k_pool.permute(1, 0, 2).unsqueeze(0), v_pool.permute(1, 0, 2).unsqueeze(0)
+    shims, scale = Shims(), HEAD_DIM ** -0.5
+
+    def shim():
+        return shims.call("masked_attention", q, k, v, mask, scale)
+
+    def through_mask():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    row = {"slice_rows": tokens, "earlier_cells": history,
+           "max_abs_diff_from_sdpa": float((shim() - through_mask()).abs().max())}
+    for f in (shim, through_mask):
+        row[f"{f.__name__}_ms"] = round(best_of(f, 5) * 1e3, 3)
+    return row
+
+
 def main() -> None:
+    from kvexport.partitioners.aoti.kernels.build import supported
+
     rows = []
     for tokens, cells in SHAPES:
         rows.append(measure(tokens, cells, torch.arange(cells)[None, :] <= (torch.arange(tokens) + cells - tokens)[:, None]))
     for sessions, cells in SESSION_SHAPES:
         owner = torch.arange(cells) // (cells // sessions)
         rows.append({"sessions": sessions} | measure(sessions, cells, owner[None, :] == torch.arange(sessions)[:, None]))
+    if supported():
+        rows += [measure_slice(tokens, history) for tokens, history in SLICE_SHAPES]
     emit({"cpu": cpu_model(), "threads": torch.get_num_threads(), "rows": rows})
 
 

@@ -6,7 +6,6 @@ an AVX-512 machine too), against torch's own kernels."""
 
 from __future__ import annotations
 
-import ctypes
 import re
 
 import pytest
@@ -29,41 +28,6 @@ def runnable_isas() -> list[str]:
 ISAS = runnable_isas()
 
 
-class Shims:
-    """The shims of one build, called as generated code calls them."""
-
-    def __init__(self, isa: str):
-        self.library = ctypes.CDLL(str(build.shims_library(isa)))
-        api = ctypes.pythonapi
-        api.PyCapsule_GetPointer.restype, api.PyCapsule_GetPointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
-        api.PyCapsule_New.restype, api.PyCapsule_New.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-        self.api = api
-
-    def call(self, name: str, *operands) -> torch.Tensor:
-        """The shim's result; raises ValueError when the shim refuses."""
-        kernel = next(k for k in KERNELS if k.name == name)
-        function = getattr(self.library, kernel.shim_symbol)
-        function.restype = ctypes.c_int32
-        scalars = {"double": ctypes.c_double, "int64_t": ctypes.c_int64}
-        function.argtypes = [scalars.get(p.split()[0], ctypes.c_void_p) for p in kernel.shim]
-        function.argtypes += [ctypes.POINTER(ctypes.c_void_p)]
-        handles = [self._handle(o) if isinstance(o, torch.Tensor) else o for o in operands]
-        result = ctypes.c_void_p()
-        try:
-            if function(*handles, ctypes.byref(result)):
-                raise ValueError(f"{name}'s shim refused its operands")
-        finally:
-            delete = self.library.aoti_torch_delete_tensor_object
-            delete.argtypes = [ctypes.c_void_p]
-            for operand, handle in zip(operands, handles):
-                if isinstance(operand, torch.Tensor):
-                    delete(handle)
-        return torch._C._aoti.alloc_tensor_by_stealing_from_void_ptr(self.api.PyCapsule_New(result.value, None, None))
-
-    def _handle(self, tensor: torch.Tensor) -> int:
-        return self.api.PyCapsule_GetPointer(torch._C._aoti.unsafe_alloc_void_ptr_from_tensor(tensor), None)
-
-
 @pytest.fixture(scope="module", params=ISAS)
 def isa(request):
     return request.param
@@ -71,7 +35,7 @@ def isa(request):
 
 @pytest.fixture(scope="module")
 def shims(isa):
-    return Shims(isa)
+    return build.Shims(isa)
 
 
 # ----------------------------------------------------------- rows linear
@@ -203,17 +167,19 @@ def causal_slice_operands(heads, kv_heads, rows, history, head_dim, spread=False
     return query, key, value, mask
 
 
-# a slice with and without a history; GQA; one kv head; head dims with a tail;
-# a slice of the kernels' static rows; cells among another session's
-CAUSAL_CASES = [(9, 3, 40, 0, 64, False), (9, 3, 37, 100, 64, False), (4, 1, 20, 7, 20, True),
-                (6, 2, 8, 30, 72, False), (2, 2, 70, 513, 16, True)]
+# slices of 256+ rows (the causal path; shorter ones go through the mask) with
+# and without a history; GQA; one kv head; head dims with a tail; cells among
+# another session's; a shorter slice; a slice of a static method's rows
+CAUSAL_CASES = [(9, 3, 256, 0, 64, False), (9, 3, 301, 100, 64, False), (4, 1, 260, 7, 20, True),
+                (2, 2, 270, 513, 16, True), (9, 3, 40, 100, 64, False), (6, 2, 8, 30, 72, False)]
 
 
 @pytest.mark.parametrize("heads,kv_heads,rows,history,head_dim,spread", CAUSAL_CASES)
 def test_the_shim_takes_a_causal_slice_as_history_and_own_cells(shims, heads, kv_heads, rows, history, head_dim, spread):
-    """A single session's slice (dense history, causal own cells: two sdpa
-    calls merged by their log-sum-exps) gives sdpa's result through the
-    mask, over fp32 and bf16 pools."""
+    """A single session's slice (from 256 rows: dense history, causal own
+    cells, two sdpa calls merged by their log-sum-exps; under that, sdpa
+    through the mask or the kernel) gives sdpa's result through the mask,
+    over fp32 and bf16 pools."""
     query, key, value, mask = causal_slice_operands(heads, kv_heads, rows, history, head_dim, spread)
     want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(shims.call("masked_attention", query, key, value, mask, 0.3), want, rtol=1e-5, atol=1e-5)
@@ -231,13 +197,13 @@ def test_the_shim_takes_a_causal_slice_as_history_and_own_cells(shims, heads, kv
 def test_masks_that_are_not_a_causal_slice_keep_their_meaning(shims, change):
     """Masks near a causal slice but not one go the other ways (sdpa through
     the mask, or the kernel): each still gives sdpa's result."""
-    query, key, value, mask = causal_slice_operands(6, 2, 24, 10, 32)
+    query, key, value, mask = causal_slice_operands(6, 2, 260, 10, 32)
     if change == "a row sees one cell less":
-        mask[12, 3] = False
+        mask[120, 3] = False
     elif change == "two rows see a new cell":
         mask[5, 1 + 10 + 6] = True
     elif change == "a second session":
-        mask[12:, 1:11] = False
+        mask[120:, 1:11] = False
     elif change == "a window":
         mask &= torch.arange(mask.shape[1])[None, :] > torch.arange(mask.shape[0])[:, None]
     else:

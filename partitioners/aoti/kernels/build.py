@@ -222,6 +222,46 @@ def shims_library(isa: str | None = None) -> Path:
     return _build("shims", isa) / f"lib{LIBRARY}_shims.so"
 
 
+class Shims:
+    """The shims of one build (shims_library), called on tensors as a compiled
+    method's generated code calls them: for tests and benches."""
+
+    def __init__(self, isa: str | None = None):
+        self.library = ctypes.CDLL(str(shims_library(isa)))
+        api = ctypes.pythonapi
+        api.PyCapsule_GetPointer.restype, api.PyCapsule_GetPointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+        api.PyCapsule_New.restype, api.PyCapsule_New.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+        self.api = api
+
+    def call(self, name: str, *operands):
+        """The shim's result tensor; raises ValueError when the shim refuses."""
+        import torch
+
+        kernel = next(k for k in KERNELS if k.name == name)
+        function = getattr(self.library, kernel.shim_symbol)
+        function.restype = ctypes.c_int32
+        scalars = {"double": ctypes.c_double, "int64_t": ctypes.c_int64}
+        function.argtypes = [scalars.get(p.split()[0], ctypes.c_void_p) for p in kernel.shim]
+        function.argtypes += [ctypes.POINTER(ctypes.c_void_p)]
+        handles = [self._handle(o) if isinstance(o, torch.Tensor) else o for o in operands]
+        result = ctypes.c_void_p()
+        try:
+            if function(*handles, ctypes.byref(result)):
+                raise ValueError(f"{name}'s shim refused its operands")
+        finally:
+            delete = self.library.aoti_torch_delete_tensor_object
+            delete.argtypes = [ctypes.c_void_p]
+            for operand, handle in zip(operands, handles):
+                if isinstance(operand, torch.Tensor):
+                    delete(handle)
+        return torch._C._aoti.alloc_tensor_by_stealing_from_void_ptr(self.api.PyCapsule_New(result.value, None, None))
+
+    def _handle(self, tensor) -> int:
+        import torch
+
+        return self.api.PyCapsule_GetPointer(torch._C._aoti.unsafe_alloc_void_ptr_from_tensor(tensor), None)
+
+
 @functools.cache
 def _load_math(isa: str | None) -> dict:
     library = ctypes.CDLL(str(_build("shared", isa) / f"lib{LIBRARY}.so"))

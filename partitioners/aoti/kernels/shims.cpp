@@ -83,6 +83,12 @@ constexpr int64_t DENSE_MIN_ROWS = 4;
 // the kernel gathers each row's cells alone: over more rows (a dynamic prefill
 // of several sessions) sdpa's blocked products win
 constexpr int64_t SPARSE_MAX_ROWS = 16;
+// one session's slice takes the causal path from this many rows: under it the
+// two calls and the merge cost more than the masked half saves
+// (bench/attention_kernels.py: a slice of 256 rows over 1024 earlier cells
+// 6.5 ms against 7.6 through the mask; a build that took every slice spent
+// 1.13 ms against 1.00 on 128 rows over 128 cells)
+constexpr int64_t CAUSAL_MIN_ROWS = 256;
 
 bool dense(const Operand& mask, int64_t T, int64_t C) {
   int64_t visible = 0;
@@ -408,7 +414,7 @@ extern "C" AOTITorchError aoti_torch_cpu_masked_attention(AtenTensorHandle query
   if (new_tensor(o[0].dtype, 4, size, &out, &out_data))
     return refuse("masked_attention", "the result could not be allocated");
   CausalSlice slice;
-  if (T >= DENSE_MIN_ROWS && C > 0 && D > 0 && causal_slice(o[3], T, C, slice)) {
+  if (T >= CAUSAL_MIN_ROWS && C > 0 && D > 0 && causal_slice(o[3], T, C, slice)) {
     if (attend_causal_slice(query, key, value, o, slice, scale, out)) {
       aoti_torch_delete_tensor_object(out);
       return refuse("masked_attention", "torch's sdpa failed on a causal slice");
