@@ -122,7 +122,7 @@ def source_weights(source: str, dtype: str) -> SourceWeights:
     if not path.is_dir():  # told before the backend measures the machine or builds its kernels
         raise _unknown_source(source)
     _refuse_links(path)
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    files = sorted(path.glob("*.safetensors"))
     ranges = []
     for file in files:
         try:

@@ -8,12 +8,13 @@ session's cells. The kernel gathers each row's visible cells and attends over
 those alone (bench/attention_kernels.py measures both).
 
 Over a row count known only at run time (forward_others, a prefill), the
-kernel's shim takes one session's slice of a prompt as two sdpa calls, a
-dense one over the session's earlier cells and a causal one over the slice's
-own cells, merged by their log-sum-exps: through the mask, sdpa scores every
-cell and drops half of the slice's own (bench/prefill.py measures a 2048-token
-prompt). Other masks over that many rows go to sdpa through the mask, as
-before.
+kernel's shim takes one session's slice of a prompt of 256 rows or more as
+two sdpa calls, a dense one over the session's earlier cells and a causal
+one over the slice's own cells, merged by their log-sum-exps: through the
+mask, sdpa scores every cell and drops half of the slice's own
+(bench/prefill.py measures a 2048-token prompt, bench/attention_kernels.py
+the slices). Shorter slices and other masks over more than 16 rows go to
+sdpa through the mask, as before.
 
 Like the row kernel, the rewrite happens only where a method is compiled
 (compile.py), for the row counts the row kernel takes; the
