@@ -4,6 +4,7 @@ BF16, Q8_0 and Q4_0 and for the packages given.
 
     python bench/llamacpp.py [--package fp32-aoti=PKG ...] [--model smollm2-135m] [--rounds 3]
     python bench/llamacpp.py --shape llama3.2-1b [--export fp32,bf16,8w,4w] [--rounds 2]
+    python bench/llamacpp.py --export fp32,bf16,8w,4w,gguf --isa avx2
 
 With --shape, the model is a real size (bench/big_model.py's shapes): random
 weights in the shape's architecture, with SmolLM2's tokenizer and vocabulary
@@ -23,7 +24,10 @@ once, in kvexport's cache directory (`$KVEXPORT_CACHE_DIR/llama.cpp-0.3.36`,
 fp32 model holds); another model through `convert_hf_to_gguf.py` (which
 needs sentencepiece). `llama-quantize` then makes BF16, Q8_0 and Q4_0.
 `llama-bench` gives the batch-1 decode (tg) and prompt (pp) rates,
-`llama-batched-bench` the 8-sequence aggregate. `--omp-passive` sets
+`llama-batched-bench` the 8-sequence aggregate. For the built-in SmolLM2
+llama.cpp also runs its own GGUF file (GGUF), which `--export gguf` keeps.
+`--isa avx2` builds llama.cpp a second time for AVX2 alone (GGML_NATIVE
+off, no AVX-512 or VNNI) and exports kvexport's packages for AVX2. `--omp-passive` sets
 OMP_WAIT_POLICY=passive, which keeps its threads from spinning on a shared
 machine (and costs it speed on a quiet one). Each package is
 measured with bench/decode.py and bench/prefill.py in the same run.
@@ -54,11 +58,19 @@ def run(cmd: list, capture: bool = True, **kwargs) -> str:
     return subprocess.run(cmd, check=True, text=True, stdout=out, **kwargs).stdout
 
 
-def build(root: Path) -> Path:
-    """The llama.cpp tree, with TOOLS built in root/build/bin."""
-    tree, binaries = root / "llama.cpp", root / "llama.cpp" / "build" / "bin"
+# llama.cpp's CMake flags for each instruction set the bench can ask for, and its build folder
+ISAS = {"native": ("build", ["-DGGML_NATIVE=ON"]),
+        "avx2": ("build-avx2", ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                                "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"])}
+
+
+def build(root: Path, isa: str = "native") -> Path:
+    """The folder of llama.cpp's TOOLS built for `isa` (its bin/)."""
+    tree = root / "llama.cpp"
+    folder, flags = ISAS[isa]
+    binaries = tree / folder / "bin"
     if all((binaries / t).exists() for t in TOOLS):
-        return tree
+        return binaries
     root.mkdir(parents=True, exist_ok=True)
     sdist = root / f"llama_cpp_python-{VERSION}.tar.gz"
     if not sdist.exists():
@@ -71,23 +83,28 @@ def build(root: Path) -> Path:
             for m in members:
                 m.name = m.name[len(prefix):]
             archive.extractall(tree, members=[m for m in members if m.name], filter="data")
-    run(["cmake", "-S", str(tree), "-B", str(tree / "build"), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
-         "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DGGML_CUDA=OFF", "-DLLAMA_BUILD_TESTS=OFF"], capture=False)
-    run(["cmake", "--build", str(tree / "build"), "--target", *TOOLS, "-j", str(os.cpu_count() or 1)], capture=False)
-    return tree
+    run(["cmake", "-S", str(tree), "-B", str(tree / folder), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", *flags,
+         "-DLLAMA_CURL=OFF", "-DGGML_CUDA=OFF", "-DLLAMA_BUILD_TESTS=OFF"], capture=False)
+    run(["cmake", "--build", str(tree / folder), "--target", *TOOLS, "-j", str(os.cpu_count() or 1)], capture=False)
+    return binaries
 
 
-def models(tree: Path, root: Path, model: str) -> dict[str, Path]:
-    """F32, BF16, Q8_0 and Q4_0 GGUF files of `model` (converted once)."""
-    out = {"F32": f32_gguf(tree, root, model)}
+def models(binaries: Path, root: Path, model: str) -> dict[str, Path]:
+    """F32, BF16, Q8_0 and Q4_0 GGUF files of `model` (converted once); for
+    the built-in SmolLM2 also its own GGUF (GGUF), the file `--qlinear gguf` keeps."""
+    out = {"F32": f32_gguf(binaries, root, model)}
     for kind in ("BF16", "Q8_0", "Q4_0"):
         out[kind] = root / f"{Path(model).name}-{kind}.gguf"
         if not out[kind].exists():
-            run([str(tree / "build" / "bin" / "llama-quantize"), str(out["F32"]), str(out[kind]), kind], capture=False)
+            run([str(binaries / "llama-quantize"), str(out["F32"]), str(out[kind]), kind], capture=False)
+    if model == "smollm2-135m":
+        from kvexport.exporter.sources.models import _smollm2_gguf
+
+        out["GGUF"] = _smollm2_gguf()
     return out
 
 
-def f32_gguf(tree: Path, root: Path, model: str) -> Path:
+def f32_gguf(binaries: Path, root: Path, model: str) -> Path:
     """The F32 GGUF file of `model` (converted once)."""
     out = root / f"{Path(model).name}-F32.gguf"
     if out.exists():
@@ -96,9 +113,10 @@ def f32_gguf(tree: Path, root: Path, model: str) -> Path:
         # the GGUF kvexport's own fp32 model is dequantized from: the same values
         from kvexport.exporter.sources.models import _smollm2_gguf
 
-        run([str(tree / "build" / "bin" / "llama-quantize"), "--allow-requantize", str(_smollm2_gguf()),
+        run([str(binaries / "llama-quantize"), "--allow-requantize", str(_smollm2_gguf()),
              str(out), "F32"], capture=False)
     else:  # needs convert_hf_to_gguf.py's own requirements (sentencepiece, numpy)
+        tree = root / "llama.cpp"
         hf_dir = Path(model) if Path(model).is_dir() else root / f"{model}-hf"
         if not (hf_dir / "config.json").exists():
             loaded = load_model(model)
@@ -130,12 +148,13 @@ def shape_directory(root: Path, shape: str) -> Path:
 
 # kvexport's packages of a shape, by label: the flags beyond the common ones
 EXPORTS = {"fp32": [], "bf16": ["--dtype", "bf16"], "8w": ["--qlinear", "8w", "--qembedding", "8w"],
-           "4w": ["--qlinear", "4w", "--qembedding", "8w"]}
+           "4w": ["--qlinear", "4w", "--qembedding", "8w"], "gguf": ["--qlinear", "gguf"]}
 
 
-def exported(root: Path, source: Path, label: str) -> Path:
-    """kvexport's aoti package of `source` at the precision `label`, exported once."""
-    out = root / "packages" / f"{source.name}-{label}"
+def exported(root: Path, source: Path, label: str, isa: str = "native") -> Path:
+    """kvexport's aoti package of `source` at the precision `label`, exported
+    once (for AVX2 code under ATEN_CPU_CAPABILITY=avx2, which main sets)."""
+    out = root / "packages" / "-".join([source.name, label] + ([isa] if isa != "native" else []))
     if not (out / "manifest.json").exists():
         run([sys.executable, "-m", "kvexport.cli.main", "export", str(source), "--use-offgraph-kv-cache", "--backend", "aoti",
              "--forward-sizes", "1,8", "--max-step-tokens", "512", "--row-kernel", "on", *EXPORTS[label], "-o", str(out),
@@ -145,15 +164,14 @@ def exported(root: Path, source: Path, label: str) -> Path:
 
 
 def llama_f32(model: str = "smollm2-135m") -> tuple[Path, Path]:
-    """(the built llama.cpp tree, `model`'s F32 GGUF), made once in kvexport's cache
+    """(llama.cpp's built tools, `model`'s F32 GGUF), made once in kvexport's cache
     directory: what bench/serve.py runs llama-server on."""
     root = cache_dir() / f"llama.cpp-{VERSION}"
-    tree = build(root)
-    return tree, f32_gguf(tree, root, model)
+    binaries = build(root)
+    return binaries, f32_gguf(binaries, root, model)
 
 
-def llama_rates(tree: Path, gguf: Path, threads: int, passive: bool) -> dict:
-    binaries = tree / "build" / "bin"
+def llama_rates(binaries: Path, gguf: Path, threads: int, passive: bool) -> dict:
     env = {**os.environ, "OMP_WAIT_POLICY": "passive"} if passive else dict(os.environ)
     bench = json.loads(run([str(binaries / "llama-bench"), "-m", str(gguf), "-t", str(threads),
                             "-p", "512", "-n", "64", "-r", "3", "-o", "json"], env=env))
@@ -194,22 +212,29 @@ def main() -> None:
                         help="measure everything this many times, alternating llama.cpp and the packages, and keep "
                              "each figure's best: a VM's speed drifts within minutes, and one pass compares a fast "
                              "minute with a slow one")
+    parser.add_argument("--isa", default="native", choices=sorted(ISAS),
+                        help="avx2: llama.cpp built for AVX2 alone, and kvexport's packages exported and run with "
+                             "ATEN_CPU_CAPABILITY=avx2 (their compiled code and kernels in AVX2): an AVX2 machine's "
+                             "table on an AVX-512 one")
     parser.add_argument("--omp-passive", action="store_true",
                         help="OMP_WAIT_POLICY=passive for llama.cpp: on a shared machine its spinning threads collapse")
     args = parser.parse_args()
+    if args.isa != "native":  # every export and bench this script starts inherits it
+        os.environ["ATEN_CPU_CAPABILITY"] = args.isa
     root = cache_dir() / f"llama.cpp-{VERSION}"
-    tree = build(root)
+    binaries = build(root, args.isa)
     model = str(shape_directory(root, args.shape)) if args.shape else args.model
-    result = {"cpu": cpu_model(), "threads": args.threads, "rounds": args.rounds, "model": args.shape or model,
-              "llama.cpp": {}}
-    ggufs = models(tree, root, model)
+    result = {"cpu": cpu_model(), "isa": args.isa, "threads": args.threads, "rounds": args.rounds,
+              "model": args.shape or model, "llama.cpp": {}}
+    ggufs = models(build(root), root, model)
     for label in filter(None, args.export.split(",")):
-        if label not in EXPORTS:
-            parser.error(f"--export takes {', '.join(EXPORTS)}; got {label!r}")
-        args.package.append(f"{label}={exported(root, Path(model), label)}")
+        if label not in EXPORTS or (label == "gguf" and "GGUF" not in ggufs):
+            parser.error(f"--export takes {', '.join(EXPORTS)} (gguf: the built-in SmolLM2 only); got {label!r}")
+        args.package.append(f"{label}={exported(root, Path(model), label, args.isa)}")
     for _ in range(args.rounds):
         for kind, gguf in ggufs.items():
-            keep_best(result["llama.cpp"].setdefault(kind, {}), llama_rates(tree, gguf, args.threads, args.omp_passive))
+            keep_best(result["llama.cpp"].setdefault(kind, {}),
+                      llama_rates(binaries, gguf, args.threads, args.omp_passive))
         for item in args.package:
             label, _, path = item.partition("=")
             keep_best(result.setdefault(label, {}), ours(Path(path), model if args.shape else None))

@@ -37,6 +37,8 @@ from kvexport.passes.packed_weights import pack, pack_blocks, pad_rows
 SHAPES = {
     "smollm2-135m": ([(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)], 30,
                      (49152, 576)),
+    "llama3.2-1b": ([(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192)], 16,
+                    (49152, 2048)),  # bench/llamacpp.py --shape llama3.2-1b (SmolLM2's vocabulary)
 }
 
 

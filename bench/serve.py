@@ -205,9 +205,9 @@ def kvexport_server(pkg: Path, args: argparse.Namespace, *extra: str) -> Server:
     return Server("kvexport", command, env=server_env(args))
 
 
-def llama_server(tree: Path, gguf: Path, args: argparse.Namespace) -> Server:
+def llama_server(binaries: Path, gguf: Path, args: argparse.Namespace) -> Server:
     port = free_port()
-    command = [str(tree / "build" / "bin" / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+    command = [str(binaries / "llama-server"), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "-np", str(SLOTS), "-c", str(SLOTS * CONTEXT_PER_SLOT), "--cont-batching", "-t", str(args.threads),
                "-ctk", "f32", "-ctv", "f32"]
     return Server("llama-server", command, url=f"http://127.0.0.1:{port}", env=server_env(args))
@@ -483,13 +483,13 @@ def prefix_turns(url: str, conversations: int, deadline: float) -> dict:
             "turn2_prompt_tokens": turns["turn2_prompt_tokens"], "turn2_cached_tokens": turns["turn2_cached_tokens"]}
 
 
-def prefix_comparison(pkg: Path, tree: Path, gguf: Path, args: argparse.Namespace) -> dict:
+def prefix_comparison(pkg: Path, binaries: Path, gguf: Path, args: argparse.Namespace) -> dict:
     """prefix_turns on fresh servers (a cache that the main load filled would
     slow kvexport's every step: each attends over every cell in use): kvexport
     with its prefix cache, without it, and llama-server."""
     servers = {"kvexport_cache_on": kvexport_server(pkg, args),
                "kvexport_cache_off": kvexport_server(pkg, args, "--prefix-cache-cells", "0"),
-               "llama-server": llama_server(tree, gguf, args)}
+               "llama-server": llama_server(binaries, gguf, args)}
     out = {}
     for name, server in servers.items():
         with server:
@@ -695,15 +695,15 @@ def main() -> None:
         show(result)
         emit(result)
         return
-    tree, gguf = llama_f32(MODEL)
+    binaries, gguf = llama_f32(MODEL)
     with kvexport_server(pkg, args) as server:
         result["kvexport"] = measure(server, args)
-    with llama_server(tree, gguf, args) as server:
+    with llama_server(binaries, gguf, args) as server:
         result["llama-server"] = measure(server, args)
     llama_rate = result["llama-server"]["output_tokens_per_s"]
     result["throughput_ratio_kvexport_over_llama"] = round(result["kvexport"]["output_tokens_per_s"] / llama_rate, 3) if llama_rate else None
     if args.prefix_turns:
-        result["prefix"] = prefix_comparison(pkg, tree, gguf, args)
+        result["prefix"] = prefix_comparison(pkg, binaries, gguf, args)
     show(result)
     emit(result)
 

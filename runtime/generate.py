@@ -44,15 +44,12 @@ def generate(
         raise KvexportError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     if speculation is not None:
         speculation.check(manager)
-        if grammar is not None:
-            raise KvexportError("speculative decoding and a grammar (--json-schema, --regex) do not run together yet: "
-                                "drop one")
     if not manager.batches_sessions:
         return _generate_one_at_a_time(manager, prompts, max_new_tokens, sampling, seed, on_token, stop_at_eos, grammar)
     _check_admission(manager, prompts, max_new_tokens)
     if speculation is not None:
         return generate_speculative(manager, prompts, max_new_tokens, sampling, seed, on_token, on_device_sampler,
-                                    stop_at_eos, speculation)
+                                    stop_at_eos, speculation, grammar)
     outputs: list[list[int]] = [[] for _ in prompts]
     if max_new_tokens == 0:
         return outputs

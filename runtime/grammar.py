@@ -7,6 +7,11 @@ grammar forbids get -inf logits, so whatever the sampler draws (the
 package's `sample` methods or the host's) is allowed, greedy or not; each
 drawn token then advances the matcher. When the grammar is complete the
 only token left is an EOS id, so generation ends there.
+
+With speculative decoding the drafts a grammar refuses are cut before the
+step (the target could never keep them), and each row of the step is masked
+by the matcher's state after the drafts before it, so the target keeps and
+draws exactly what it would one token at a time.
 """
 
 from __future__ import annotations
@@ -111,17 +116,60 @@ def allowed_tokens(constraints: Sequence[Constraint]) -> torch.Tensor:
     """bool [len(constraints), V]: the tokens each allows next, computed
     together on llguidance's thread pool (one at a time, the masks of 8
     sessions took a tenth of a decode step, bench/structured.py)."""
-    vocab = constraints[0].grammar.vocab_size
-    if any(c.grammar.vocab_size != vocab for c in constraints):
-        raise ValueError("constraints of one batch share a vocabulary")
-    if not _EXECUTOR:
-        _EXECUTOR.append(_llguidance().LLExecutor(min(len(os.sched_getaffinity(0)), 8)))
-    # bit t % 32 of word t // 32: token t allowed; in little-endian bytes, bit t % 8 of byte t // 8
+    vocab = _vocabulary(constraints)
     words = torch.full((len(constraints), (vocab + 31) // 32), -1, dtype=torch.int32)
     # what llguidance.torch.fill_next_token_bitmask_par does, without importing that module (which
     # defines torch.compile'd and torch.jit code on import); `words` is ours, contiguous, on the CPU
-    _EXECUTOR[0].unsafe_compute_mask_ptr([(c.matcher, i) for i, c in enumerate(constraints)], words.data_ptr(),
-                                         words.shape[1] * 4, len(constraints))
+    _executor().unsafe_compute_mask_ptr([(c.matcher, i) for i, c in enumerate(constraints)], words.data_ptr(),
+                                        words.shape[1] * 4, len(constraints))
+    return _unpack(words, vocab)
+
+
+def allowed_after_drafts(constraints: Sequence[Constraint], drafts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Per constraint, bool [1 + len(drafts[i]), V]: the tokens it allows
+    next and after each of its drafts in turn, up to the first draft it
+    refuses (the rows past that one allow everything: nothing is kept
+    there). The matchers end where they began."""
+    vocab = _vocabulary(constraints)
+    starts = [0]
+    for d in drafts:
+        starts.append(starts[-1] + 1 + len(d))
+    words = torch.full((starts[-1], (vocab + 31) // 32), -1, dtype=torch.int32)
+    held = list(zip(constraints, starts, drafts))  # llguidance takes no empty drafts in its draft call
+    if any(not d for _, _, d in held):
+        _executor().unsafe_compute_mask_ptr([(c.matcher, start) for c, start, d in held if not d], words.data_ptr(),
+                                            words.shape[1] * 4, starts[-1])
+    if any(d for _, _, d in held):
+        _executor().unsafe_compute_mask_ptr_with_draft_token(
+            [(c.matcher, start, [int(t) for t in d]) for c, start, d in held if d], words.data_ptr(),
+            words.shape[1] * 4, starts[-1])
+    allowed = _unpack(words, vocab)
+    return [allowed[a:b] for a, b in zip(starts, starts[1:])]
+
+
+def valid_drafts(constraints: Sequence[Constraint | None], drafts: Sequence[list[int]]) -> list[list[int]]:
+    """Each sequence's drafts up to the first its grammar refuses: a
+    constrained target never keeps that one or any after it."""
+    return [d[: c.matcher.validate_tokens([int(t) for t in d])] if c is not None and d else d
+            for c, d in zip(constraints, drafts)]
+
+
+def _vocabulary(constraints: Sequence[Constraint]) -> int:
+    vocab = constraints[0].grammar.vocab_size
+    if any(c.grammar.vocab_size != vocab for c in constraints):
+        raise ValueError("constraints of one batch share a vocabulary")
+    return vocab
+
+
+def _executor():
+    if not _EXECUTOR:
+        _EXECUTOR.append(_llguidance().LLExecutor(min(len(os.sched_getaffinity(0)), 8)))
+    return _EXECUTOR[0]
+
+
+def _unpack(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bool [rows, vocab] of llguidance's bitmasks: bit t % 32 of word t // 32
+    allows token t; in little-endian bytes, bit t % 8 of byte t // 8."""
     octets = words.view(torch.uint8)
     if sys.byteorder == "big":
         octets = octets.unflatten(1, (-1, 4)).flip(-1).flatten(1)
@@ -139,6 +187,19 @@ def apply_masks(constraints: Sequence[Constraint | None], logits: torch.Tensor |
     forbidden = torch.zeros(logits.shape, dtype=torch.bool)
     forbidden[rows] = ~allowed_tokens([constraints[i] for i in rows])
     return logits.masked_fill(forbidden.to(logits.device), float("-inf"))
+
+
+def apply_draft_masks(constraints: Sequence[Constraint | None], drafts: Sequence[Sequence[int]],
+                      rows: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """rows[i] [1 + len(drafts[i]), V] (the logits after a sequence's pending
+    token and after each of its drafts) with, at every position, the tokens
+    its constraint forbids there at -inf; a sequence without one as it is."""
+    out = list(rows)
+    held = [i for i, c in enumerate(constraints) if c is not None]
+    if held:
+        for i, allowed in zip(held, allowed_after_drafts([constraints[i] for i in held], [drafts[i] for i in held])):
+            out[i] = rows[i].masked_fill(~allowed.to(rows[i].device), float("-inf"))
+    return out
 
 
 NUMBER_STEP = 1e-6  # a number without its own multipleOf is written to at most 6 decimals

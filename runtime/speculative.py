@@ -23,6 +23,12 @@ refused is replaced by a draw from max(p - q, 0) renormalised, and when all
 are kept one more token is drawn from p (Leviathan et al., 2023), so every
 token is distributed as the target's. Prompt lookup's q is all on d.
 
+Under a grammar (runtime/grammar.py) the drafts it refuses are cut before
+the step when the cut is exact: greedy rows, and drafts that were certain
+(lookup); a draft package's sampled drafts stay whole, and the rule refuses
+them itself (the masked p gives them 0). Every checked row is masked by the
+grammar's state after the drafts before it.
+
 How far a session drafts adapts to how many of its drafts were kept: two
 more after a round that kept them all, one fewer after one that refused any,
 between 1 and `max_draft`. One step never grows wider than `step_tokens`
@@ -41,6 +47,7 @@ import torch
 from kvexport.contract.errors import CapacityError, KvexportError
 from kvexport.contract.package import TOKENIZER_DIR
 from kvexport.contract.sampler import SamplingConfig, draw, params_row, probabilities
+from kvexport.runtime.grammar import Constraint, Grammar, apply_draft_masks, apply_masks, valid_drafts
 from kvexport.runtime.offgraph import OffgraphKVManager, Session, StepEntry
 
 MODES = ("lookup", "draft")
@@ -254,6 +261,14 @@ def verify(manager: OffgraphKVManager, states: Sequence[Drafting], drafts: Seque
     return out  # type: ignore[return-value]
 
 
+def cut_to_grammar(constraints: Sequence[Constraint | None], drafts: Sequence[list[int]],
+                   qs: Sequence[torch.Tensor | None]) -> list[list[int]]:
+    """The drafts a grammar refuses cut (see the module's docstring): only
+    where the drafts were certain (no q), since the accept/reject rule must
+    refuse a sampled draft itself to keep the target's distribution."""
+    return valid_drafts([c if q is None else None for c, q in zip(constraints, qs)], drafts)
+
+
 def settle(manager: OffgraphKVManager, session: Session, draft: OffgraphKVManager | None, state: Drafting,
            drafted: int, kept: int, max_draft: int, stats: SpeculationStats) -> None:
     """After a checked step: the width adapts, the target's cells keep the
@@ -278,6 +293,7 @@ class _Track:
     session: Session
     drafting: Drafting
     limit: int  # tokens it may emit in all
+    constraint: Constraint | None = None
     emitted: list[int] = field(default_factory=list)
 
 
@@ -291,6 +307,7 @@ def generate_speculative(
     on_device_sampler: bool,
     stop_at_eos: bool,
     speculation: Speculation,
+    grammar: Grammar | None = None,
 ) -> list[list[int]]:
     """`generate` with drafts (see the module's docstring); called by
     `generate`, which has checked the speculation, the prompts and the admission."""
@@ -306,21 +323,26 @@ def generate_speculative(
         for i, prompt in enumerate(prompts):
             drafting = Drafting(NgramIndex(prompt, speculation.ngram), torch.Generator().manual_seed(seed + i),
                                 width=min(4, speculation.max_draft))
-            tracks.append(_Track(i, manager.new_session(), drafting, max_new_tokens))
+            constraint = grammar.constraint() if grammar is not None else None
+            tracks.append(_Track(i, manager.new_session(), drafting, max_new_tokens, constraint))
             if draft is not None:
                 drafting.draft_session = draft.new_session()
         # the prompts go in as one step, as plain decoding does, and their first tokens are drawn the same way
         logits = manager.step([StepEntry(t.session, list(prompt), True) for t, prompt in zip(tracks, prompts)])
+        logits = apply_masks([t.constraint for t in tracks], logits)
         params = torch.tensor([params_row(sampling, t.drafting.generator) for t in tracks], dtype=torch.float32)
-        first = manager.sample(torch.stack(logits), params, on_device=on_device_sampler).tolist()
+        first = manager.sample(logits, params, on_device=on_device_sampler).tolist()
         active = [t for t, token in zip(tracks, first) if not _emit(t, [token], manager, stop_at_eos, on_token, outputs)]
         while active:
             states = [t.drafting for t in active]
             samplings = [sampling] * len(active)
             allowed = allot(states, [t.limit - len(t.emitted) - 1 for t in active], width)
             drafts, qs = propose(states, allowed, draft, samplings)
+            constraints = [t.constraint for t in active]
+            drafts = cut_to_grammar(constraints, drafts, qs)
             entries = [StepEntry(t.session, [t.drafting.pending, *d], True, rows=1 + len(d)) for t, d in zip(active, drafts)]
             rows = [r if r.dim() == 2 else r.unsqueeze(0) for r in manager.step(entries)]
+            rows = apply_draft_masks(constraints, drafts, rows)
             kept = verify(manager, states, drafts, qs, rows, samplings, on_device_sampler)
             still = []
             for track, d, tokens in zip(active, drafts, kept):
@@ -341,6 +363,8 @@ def _emit(track: _Track, tokens: list[int], manager: OffgraphKVManager, stop_at_
           on_token: Callable[[int, int], None] | None, outputs: list[list[int]]) -> bool:
     """Emits tokens in order until an EOS or the limit; True when the track is done."""
     for token in tokens:
+        if track.constraint is not None:
+            track.constraint.advance(token)
         track.emitted.append(token)
         track.drafting.context.extend([token])
         outputs[track.index].append(token)

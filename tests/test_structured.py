@@ -133,8 +133,8 @@ def test_cli_json_schema_and_regex(package, tmp_path):
     schema.write_text('{"type": "object", "properties": {"a": {"type": "nope"}}}')
     result = CliRunner().invoke(main, args + ["--json-schema", str(schema)])
     assert result.exit_code == 1 and "JSON schema" in result.output and "Traceback" not in result.output
-    result = CliRunner().invoke(main, args + ["--regex", "x", "--speculative", "lookup"])
-    assert result.exit_code == 1 and "grammar" in result.output
+    result = CliRunner().invoke(main, args + ["--regex", "[a-c]{3}", "--speculative", "lookup"])
+    assert result.exit_code == 0 and re.fullmatch("[a-c]{3}", json.loads(result.stdout)["outputs"][0]["text"])
 
 
 def test_the_engine_follows_each_requests_schema(package):
@@ -159,6 +159,138 @@ def test_the_engine_follows_each_requests_schema(package):
         assert sinks[-1].tokens() == free
     finally:
         engine.shutdown()
+
+
+# ------------------------------------------------------------------ with speculative decoding
+def test_masks_after_drafts_are_each_states_own(package):
+    """The masks llguidance computes after each draft in one call equal
+    consuming the drafts one by one; the rows past a refused draft allow
+    everything; the matcher ends where it began; the cut keeps the drafts up
+    to the first refused one."""
+    from kvexport.runtime.grammar import allowed_after_drafts, allowed_tokens, valid_drafts
+
+    runtime = load(package)
+    text = runtime.package.tokenizer()
+    grammar = Grammar.json_schema(text, SCHEMAS[1], runtime.vocab_size, runtime.eos_ids)
+    good = text.encode('{"colour":"red"', chat=False)
+    bad = good[:3] + [text.encode("z", chat=False)[0]] + good[3:5]
+    walker, other = grammar.constraint(), grammar.constraint()
+    other.advance(good[0])
+    masks = allowed_after_drafts([walker, other], [good, bad[1:]])
+    assert [m.shape[0] for m in masks] == [len(good) + 1, len(bad)]
+    for j, token in enumerate(good):
+        assert torch.equal(masks[0][j], allowed_tokens([walker])[0])
+        walker.advance(token)
+    assert torch.equal(masks[0][-1], allowed_tokens([walker])[0])
+    assert torch.equal(masks[1][0], allowed_tokens([other])[0])
+    assert masks[1][3:].all(), "past the refused draft (position 2 of other's) nothing is masked"
+    assert not masks[1][2].all()
+    fresh = grammar.constraint()
+    assert valid_drafts([fresh, None], [bad, bad]) == [bad[:3], bad]
+    assert allowed_after_drafts([fresh], [bad[:3]])[0].shape[0] == 4 and torch.equal(
+        allowed_tokens([fresh])[0], allowed_tokens([grammar.constraint()])[0]), "the matcher ends where it began"
+
+
+def constrained_oracle(monkeypatch, want: dict, grammar: Grammar, free: tuple = ()):
+    """NgramIndex.propose replaced by an oracle: the constrained greedy
+    continuation, with a wrong token the grammar allows in one round of
+    three, one it refuses in one of five, and a token past the end every
+    fourth (for the `free` prompts, any other token); `calls` holds the
+    length of every proposal."""
+    import kvexport.runtime.speculative as spec
+    from kvexport.runtime.grammar import allowed_tokens
+
+    calls = []
+
+    def oracle(self, k):
+        prompt = next(p for p in want if list(p) == self.tokens[: len(p)])
+        done = len(self.tokens) - len(prompt)
+        drafts = list(want[prompt][done : done + k])
+        if len(calls) % 3 == 2 and len(drafts) > 1 and prompt in free:
+            drafts[1] = (drafts[1] + 7) % grammar.vocab_size
+        elif len(calls) % 3 == 2 and len(drafts) > 1:
+            walker = grammar.constraint()
+            for token in want[prompt][: done + 1]:
+                walker.advance(token)
+            drafts[1] = next((t for t in allowed_tokens([walker])[0].nonzero().flatten().tolist() if t != drafts[1]),
+                             drafts[1])
+        if len(calls) % 5 == 4 and drafts:
+            drafts[0] = (drafts[0] + 1) % grammar.vocab_size
+        if len(calls) % 4 == 3:
+            drafts.append(5)
+        calls.append(len(drafts[:k]))
+        return drafts[:k]
+
+    monkeypatch.setattr(spec.NgramIndex, "propose", oracle)
+    return calls
+
+
+def test_speculation_under_a_grammar_gives_its_greedy_tokens(package, monkeypatch):
+    """Greedy constrained decoding with drafts (an oracle's with wrong
+    tokens, and the same package as its own draft) gives exactly the tokens
+    of constrained decoding one token a step, alone and batched; sampled
+    outputs with drafts validate."""
+    from kvexport.runtime.speculative import Speculation
+
+    runtime = load(package)
+    text = runtime.package.tokenizer()
+    prompts = [text.encode(p, chat=False) for p in ("a person", "someone else", "x")]
+    grammar = Grammar.json_schema(text, SCHEMAS[0], runtime.vocab_size, runtime.eos_ids)
+    plain = [generate(runtime, [p], 60, grammar=grammar)[0] for p in prompts]
+    speculation = Speculation("draft", draft=load(package))
+    assert generate(runtime, prompts, 60, grammar=grammar, speculation=speculation) == plain
+    assert speculation.stats.accepted > 0
+    calls = constrained_oracle(monkeypatch, {tuple(p): w for p, w in zip(prompts, plain)}, grammar)
+    lookup = Speculation("lookup")
+    assert generate(runtime, prompts, 60, grammar=grammar, speculation=lookup) == plain
+    assert lookup.stats.accepted > 0 and lookup.stats.drafted > lookup.stats.accepted, "the target refused some"
+    assert sum(calls) > lookup.stats.drafted, "the grammar cut some drafts before the step"
+    assert [generate(runtime, [p], 60, grammar=grammar, speculation=Speculation("lookup"))[0] for p in prompts] == plain
+    monkeypatch.undo()
+    for out in generate(runtime, prompts, 80, SamplingConfig(1.0, top_k=40), seed=4, grammar=grammar,
+                        speculation=Speculation("draft", draft=load(package))):
+        jsonschema.validate(json.loads(text.decode(out)), SCHEMAS[0])
+
+
+def test_the_engine_speculates_under_a_grammar_and_with_logprobs(package, monkeypatch):
+    """In the serving engine with drafts: a constrained request gives its
+    greedy constrained tokens, and a request for logprobs the tokens and
+    log-probabilities it gets without speculation."""
+    from kvexport.runtime import OffgraphKVManager
+    from kvexport.runtime.server.engine import Engine, GenerationRequest
+    from kvexport.runtime.speculative import Speculation
+    from test_engine import run_all
+
+    runtime = load(package)
+    text = runtime.package.tokenizer()
+    prompts = [text.encode(p, chat=False) for p in ("a person", "someone else")]
+    grammar = Grammar.json_schema(text, SCHEMAS[0], runtime.vocab_size, runtime.eos_ids)
+    requests = [GenerationRequest(prompts[0], 60, grammar=grammar), GenerationRequest(prompts[1], 24, logprobs=3)]
+
+    def serve(speculation):
+        engine = Engine(OffgraphKVManager(runtime.package), text, max_sessions=4, speculation=speculation)
+        try:
+            return run_all(engine, requests)
+        finally:
+            engine.shutdown()
+
+    plain = serve(None)
+    want = {tuple(r.prompt): s.tokens() for r, s in zip(requests, plain)}
+    constrained_oracle(monkeypatch, want, grammar, free=(tuple(prompts[1]),))
+    speculation = Speculation("lookup")
+    drafted = serve(speculation)
+    assert [s.tokens() for s in drafted] == [s.tokens() for s in plain]
+    assert speculation.stats.accepted > 0
+    jsonschema.validate(json.loads(text.decode(drafted[0].tokens())), SCHEMAS[0])
+
+    def logprobs(sink):
+        return [lp for e in sink.events if getattr(e, "logprobs", None) for lp in e.logprobs]
+
+    got, expected = logprobs(drafted[1]), logprobs(plain[1])
+    assert len(got) == len(expected) == 24
+    for a, b in zip(got, expected):
+        assert a.token == b.token and [t for t, _ in a.top] == [t for t, _ in b.top]
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
 
 
 def test_openai_response_format_is_parsed_or_refused():

@@ -35,8 +35,10 @@ from kvexport.runtime.cell_cache import MAX_SEQUENCES
 from kvexport.runtime.offgraph import OffgraphKVManager, Session, StepEntry, check_token_ids
 from kvexport.runtime.server.prefix_cache import Holder, PrefixCache
 from kvexport.runtime.server.state import restore_sessions, save_sessions
-from kvexport.runtime.grammar import Constraint, Grammar, apply_masks
-from kvexport.runtime.speculative import Drafting, NgramIndex, Speculation, allot, propose, settle, verify
+from kvexport.runtime.grammar import Constraint, Grammar, apply_draft_masks, apply_masks
+from kvexport.runtime.speculative import (
+    Drafting, NgramIndex, Speculation, allot, cut_to_grammar, propose, settle, verify,
+)
 from kvexport.runtime.text import StopMatcher, Text, TextStream
 
 log = logging.getLogger(__name__)
@@ -435,11 +437,10 @@ class Engine:
         generator = torch.Generator().manual_seed(job.request.seed + index)
         stream = TextStream(self.text) if self.text is not None else None
         choice = _Choice(index, holder, generator, stream, StopMatcher(job.request.stop))
-        if job.request.grammar is not None:  # masked before each draw; no drafts
+        if job.request.grammar is not None:  # masked before each draw, drafted rows too
             choice.constraint = job.request.grammar.constraint()
-            return choice
         spec = self.speculation
-        if spec is not None and job.request.logprobs is None:  # logprobs come from the plain path's rows
+        if spec is not None:
             choice.drafting = Drafting(NgramIndex(job.request.prompt, spec.ngram), generator, width=min(4, spec.max_draft))
             if self.draft is not None:
                 self._draft_session(choice, list(job.request.prompt))
@@ -511,8 +512,8 @@ class Engine:
             self.on_step(StepStats(tokens, decodes, model_seconds, own, self.manager.cells_read))
 
     def _drafts(self, due: list[tuple[_Job, _Choice | None]]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Each decoding choice's drafts (none without speculation, for
-        logprobs requests, or when the decoding choices fill the step)."""
+        """Each decoding choice's drafts (none without speculation, or when
+        the decoding choices fill the step), cut where a grammar refuses them."""
         if self.speculation is None or not due:
             return [[] for _ in due], [None] * len(due)
         if self.draft is not None and 2 * len(due) > self.draft_width:
@@ -529,6 +530,7 @@ class Engine:
             while self.draft.cache.free_cells < need and self.draft_prefix.evict_one():
                 pass
         got, got_q = propose(states, allowed, self.draft, [job.request.sampling for _, job, _ in drafting])
+        got = cut_to_grammar([choice.constraint for _, _, choice in drafting], got, got_q)
         drafts: list[list[int]] = [[] for _ in due]
         qs: list[torch.Tensor | None] = [None] * len(due)
         for (k, _, _), d, q in zip(drafting, got, got_q):
@@ -540,19 +542,21 @@ class Engine:
         target's own token; returns the model time it took."""
         spec = self.speculation
         began = time.perf_counter()
-        kept = verify(self.manager, [c.drafting for _, c, _, _, _ in checked], [d for _, _, d, _, _ in checked],
-                      [q for _, _, _, q, _ in checked], [r for _, _, _, _, r in checked],
-                      [job.request.sampling for job, _, _, _, _ in checked])
+        drafts = [d for _, _, d, _, _ in checked]
+        rows = apply_draft_masks([c.constraint for _, c, _, _, _ in checked], drafts, [r for _, _, _, _, r in checked])
+        kept = verify(self.manager, [c.drafting for _, c, _, _, _ in checked], drafts, [q for _, _, _, q, _ in checked],
+                      rows, [job.request.sampling for job, _, _, _, _ in checked])
         model_seconds = time.perf_counter() - began
         now = time.perf_counter()
-        for (job, choice, drafted, _, _), tokens in zip(checked, kept):
+        for (job, choice, drafted, _, _), tokens, row in zip(checked, kept, rows):
+            logprobs = _logprobs(row[: len(tokens)], tokens, [job.request.logprobs] * len(tokens))
             settle(self.manager, choice.session, self.draft, choice.drafting, len(drafted), len(tokens) - 1,
                    spec.max_draft, spec.stats)
             choice.holder.tokens.extend([choice.pending, *drafted[: len(tokens) - 1]])
             choice.pending = None
             self.prefix.update(choice.holder)
-            for token in tokens:
-                self._deliver(job, choice, token, None, now)
+            for token, logprob in zip(tokens, logprobs):
+                self._deliver(job, choice, token, logprob, now)
                 if choice.finished:
                     break
             if choice.draft_holder is not None:  # its cells hold delivered tokens only now
@@ -575,11 +579,9 @@ class Engine:
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         wanted = [i for i, (job, _, _) in enumerate(rows) if job.request.logprobs is not None]
         if wanted:
-            log_probs = torch.log_softmax(logits[wanted].float(), dim=-1)
-            for k, i in enumerate(wanted):
-                top = rows[i][0].request.logprobs
-                values, ids = torch.topk(log_probs[k], top) if top else (torch.empty(0), torch.empty(0, dtype=torch.long))
-                logprobs[i] = TokenLogprob(drawn[i], float(log_probs[k, drawn[i]]), list(zip(ids.tolist(), values.tolist())))
+            tops = [rows[i][0].request.logprobs for i in wanted]
+            for i, logprob in zip(wanted, _logprobs(logits[wanted], [drawn[i] for i in wanted], tops)):
+                logprobs[i] = logprob
         return drawn, logprobs
 
     def _deliver(self, job: _Job, choice: _Choice, token: int, logprob: TokenLogprob | None, now: float) -> None:
@@ -619,3 +621,17 @@ class Engine:
             self._active -= request.n
             completion = sum(len(c.output) for c in job.choices)
             job.sink(Done(len(request.prompt), completion, job.cached_tokens))
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], tops: list[int | None]) -> list[TokenLogprob | None]:
+    """Per row of logits [R, V] (masked as the draw saw them), the
+    log-probability of the token drawn from it and of its row's `tops` most
+    likely ones; Nones where no logprobs are asked."""
+    if all(k is None for k in tops):
+        return [None] * len(tokens)
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    out: list[TokenLogprob | None] = []
+    for row, token, k in zip(log_probs, tokens, tops):
+        values, ids = torch.topk(row, k) if k else (torch.empty(0), torch.empty(0, dtype=torch.long))
+        out.append(TokenLogprob(token, float(row[token]), list(zip(ids.tolist(), values.tolist()))))
+    return out
