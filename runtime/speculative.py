@@ -34,7 +34,10 @@ more after a round that kept them all, one fewer after one that refused any,
 between 1 and `max_draft`. One step never grows wider than `step_tokens`
 (default: the package's widest static method) for drafts: when the decoding
 sessions fill it, they decode plainly, so speculation costs a busy batch
-nothing.
+nothing. Prompt lookup's drafts cost nothing to make, and a static method
+pads a narrower step to its width at the same cost, so lookup drafts grow
+into that padding whatever their sessions' widths (a lone session whose
+steps run on forward_8 checks up to 7 drafts a step).
 """
 
 from __future__ import annotations
@@ -178,16 +181,26 @@ class Drafting:
         return self.context.tokens[-1]
 
 
-def allot(states: Sequence[Drafting], room: Sequence[int], width: int) -> list[int]:
+def allot(states: Sequence[Drafting], room: Sequence[int], width: int, sizes: Sequence[int] = ()) -> list[int]:
     """Drafts each sequence may make this step: what it asks for, within
     its room (tokens it may still emit, less the target's own) and the
     step's spare width (`width` less one token per sequence), the surest
-    drafters first."""
+    drafters first. With `sizes`, the static methods' widths (for drafts
+    that cost nothing to make: prompt lookup's), the drafts then grow into
+    the positions the step's method would pad anyway, up to the narrowest
+    size that holds the step (no wider than `width`)."""
     spare = width - len(states)
     allowed = [0] * len(states)
-    for i in sorted(range(len(states)), key=lambda i: -states[i].width):
+    order = sorted(range(len(states)), key=lambda i: -states[i].width)
+    for i in order:
         allowed[i] = max(min(states[i].width, spare, room[i]), 0)
         spare -= allowed[i]
+    total = len(states) + sum(allowed)
+    padded = min((n for n in sizes if total <= n <= width), default=total)
+    for i in order:
+        more = max(min(padded - total, room[i] - allowed[i]), 0)
+        allowed[i] += more
+        total += more
     return allowed
 
 
@@ -336,7 +349,9 @@ def generate_speculative(
         while active:
             states = [t.drafting for t in active]
             samplings = [sampling] * len(active)
-            allowed = allot(states, [t.limit - len(t.emitted) - 1 for t in active], width)
+            free = manager.static_sizes if draft is None else ()  # lookup's drafts cost nothing to make
+            room = [min(t.limit - len(t.emitted) - 1, speculation.max_draft) for t in active]
+            allowed = allot(states, room, width, free)
             drafts, qs = propose(states, allowed, draft, samplings)
             constraints = [t.constraint for t in active]
             drafts = cut_to_grammar(constraints, drafts, qs)

@@ -137,6 +137,24 @@ def test_rows_of_a_step_entry(tiny_package):
         runtime.step([StepEntry(runtime.new_session(), tokens, True, rows=7)])
 
 
+def test_lookup_drafts_grow_into_the_padding_of_the_steps_method():
+    """allot: widths first (the surest drafter first, within the step's
+    spare width and each room); with the static sizes, the drafts then fill
+    the narrowest method that holds the step, never past `width` or a room."""
+    from kvexport.runtime.speculative import Drafting, allot
+
+    def states(*widths):
+        return [Drafting(NgramIndex([], 3), torch.Generator(), width=w) for w in widths]
+
+    assert allot(states(1), [100], 8) == [1]
+    assert allot(states(1), [100], 8, sizes=[1, 8]) == [7], "a lone session on forward_8 checks 7 drafts"
+    assert allot(states(1), [100], 8, sizes=[1, 2, 4, 8]) == [1], "a step of 2 tokens already fills forward_2"
+    assert allot(states(2), [100], 8, sizes=[1, 2, 4, 8]) == [3], "3 tokens run on forward_4: one more draft"
+    assert allot(states(2, 1), [1, 100], 8, sizes=[1, 8]) == [1, 5], "rooms cap it; the rest goes to the others"
+    assert allot(states(4, 4, 4), [100] * 3, 8, sizes=[1, 8]) == [4, 1, 0], "over the width: no padding"
+    assert allot(states(1), [100], 6, sizes=[1, 8]) == [1], "forward_8 is past the width drafts may fill"
+
+
 def test_ngram_index_proposes_what_followed_the_latest_occurrence():
     index = NgramIndex([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2], ngram=3)
     assert index.propose(3) == [3, 7, 5]  # "1 2" last began at 4, followed by 3 7 5

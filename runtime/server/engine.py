@@ -523,8 +523,15 @@ class Engine:
             return [[] for _ in due], [None] * len(due)
         drafting = [(k, job, choice) for k, (job, choice) in enumerate(due) if choice.drafting is not None]
         states = [choice.drafting for _, _, choice in drafting]
-        room = [job.request.max_tokens - len(choice.output) - 1 for _, job, choice in drafting]
-        allowed = allot(states, room, self.draft_width - (len(due) - len(drafting)))
+        room = [min(job.request.max_tokens - len(choice.output) - 1, self.speculation.max_draft)
+                for _, job, choice in drafting]
+        others = len(due) - len(drafting)
+        # lookup's drafts cost nothing to make: they fill what the step's static method pads, unless a
+        # prompt slice joins the step (it then runs on forward_others, whose cost grows with its tokens)
+        free: list[int] = []
+        if self.draft is None and not any(job.prefilling for job in self._running):
+            free = [n - others for n in self.manager.static_sizes]
+        allowed = allot(states, room, self.draft_width - others, free)
         if self.draft is not None:  # room in the draft's pool for what its sessions lack and draft
             need = sum(len(s.context.tokens) - s.draft_fed + k for s, k in zip(states, allowed) if k)
             while self.draft.cache.free_cells < need and self.draft_prefix.evict_one():
