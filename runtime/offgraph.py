@@ -17,6 +17,7 @@ from kvexport.contract.offgraph_kv import ForwardInputs
 from kvexport.runtime.cell_cache import SCRATCH_CELL, Allocator, CellCache, io_buffer, sequence_bit, zeros_allocator
 from kvexport.contract.errors import PackageError, RuntimeRefusal
 from kvexport.runtime.loader import IOManager, LoadedPackage, check_output, register_io_manager
+from kvexport.runtime.step_graphs import StepGraphs
 from kvexport.contract.sampler import check_sampled, sample, sample_argmax
 
 PAD_TOKEN = 0
@@ -69,8 +70,12 @@ class OffgraphKVManager(IOManager):
         package: LoadedPackage,
         max_cells: int | None = None,
         allocator: Allocator = zeros_allocator,
+        cuda_graphs: bool | None = None,
         **options: Any,
     ):
+        """cuda_graphs: replay each static method as a CUDA graph (None: on
+        for a CUDA package). True on a CPU package runs the same fixed buffers
+        without a graph (runtime/step_graphs.py)."""
         super().__init__(package)
         md = package.metadata
         self.vocab_size: int = md["get_vocab_size"]
@@ -96,6 +101,9 @@ class OffgraphKVManager(IOManager):
         self.cache = CellCache(
             geometry, max_cells or package_cells, dtype, md["get_max_context_len"], device=self.device, allocator=allocator
         )
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        self.graphs = StepGraphs(package.run, self.vocab_size, self.device, self.cache.max_cells, SCRATCH_CELL) if cuda_graphs else None
 
     # ------------------------------------------------------------ sessions
     def new_session(self) -> Session:
@@ -179,9 +187,10 @@ class OffgraphKVManager(IOManager):
     ) -> dict[int, torch.Tensor]:
         bits = torch.tensor([sequence_bit(s) for s in seqs], dtype=torch.int64)
         n_cells = self.cells_read = self.cache.read_len(set(seqs))
-        pools = self.cache.views(n_cells)
         out: dict[int, torch.Tensor] = {}
         for piece in self.plan(len(seqs)):
+            graphed = self.graphs is not None and self.graphs.takes(piece.method)
+            cells_seen = self.graphs.cells(n_cells) if graphed else n_cells  # a graph reads a fixed view of the pools
             real = piece.end - piece.start
             pad = piece.width - real
             rows = [s - piece.start for s in selected if piece.start <= s < piece.end]
@@ -192,16 +201,18 @@ class OffgraphKVManager(IOManager):
             step_pos = _pad(positions[sl], pad, 0)
             step_cells = _pad(cells[sl], pad, SCRATCH_CELL)
             step_bits = _pad(bits[sl], pad, 0)
-            masks = self.cache.masks(step_bits, step_pos, n_cells)
+            masks = self.cache.masks(step_bits, step_pos, cells_seen)
             inputs = ForwardInputs(
                 tokens=self._io(step_tokens.unsqueeze(0)),
                 input_pos=self._io(step_pos),
                 logits_to_keep=self._io(torch.tensor(keep, dtype=torch.int64)),
-                pools=pools,
+                pools=self.cache.views(cells_seen),
                 cells=self._io(step_cells),
                 masks=[self._io(mask) for mask in masks],
             )
-            logits = self.package.run(piece.method, *inputs.pack())
+            logits = self.graphs(piece.method, piece.width, inputs.pools, inputs) if graphed else None
+            if logits is None:
+                logits = self.package.run(piece.method, *inputs.pack())
             check_output(piece.method, logits, (want, self.vocab_size), torch.float32)
             for i, row in enumerate(rows):
                 out[piece.start + row] = logits[i]
