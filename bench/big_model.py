@@ -57,6 +57,15 @@ SHAPES = {
                       "original_max_position_embeddings": 8192, "rope_type": "llama3"},
         bos_token_id=128000, eos_token_id=128001,
     ),
+    # Llama 3.1 8B's config (untied head): 16 GB in bf16
+    "llama3.1-8b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+        rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        bos_token_id=128000, eos_token_id=128001,
+    ),
     "qwen2.5-7b": dict(
         QWEN25, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
         num_key_value_heads=4, rms_norm_eps=1e-6, max_window_layers=28,

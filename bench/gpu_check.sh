@@ -1,48 +1,51 @@
 #!/usr/bin/env bash
-# GPU check of the aoti backend, for a machine with an NVIDIA GPU and torch,
-# transformers and safetensors installed (no network needed). Exports the
-# tiny Llama and, when SMOLLM2_DIR points at a Hugging Face directory of
-# SmolLM2-135M-Instruct (as `kvexport export smollm2-135m` caches it under
-# ~/.cache/kvexport/gguf/), SmolLM2, each with --backend aoti --device cuda;
-# checks greedy parity with HF on the GPU and prints decode tokens/s at
-# batch 1 and 8. Budget: about 8 minutes.
-#   PYTHONPATH=... bash bench/gpu_check.sh
+# The GPU check (bench/gpu_check.py), for a machine that reaches no package
+# registry and has its own torch (the GPU image: torch 2.11, transformers
+# 5.17, Python 3.12, no torchao, no kvexport).
+#
+#   bench/gpu_check.sh prepare
+#       here, with the registry: kvexport as a wheel and the packages the
+#       image lacks (torchao) as Python 3.12 wheels in .whl/ (git-ignored),
+#       and their size against the 64 MiB a device run may carry.
+#   bench/gpu_check.sh run OUT.json [--device cuda|cpu] [gpu_check.py options]
+#       there (or here, --device cpu, for the dry run): installs .whl/ with
+#       --no-deps into a target folder put first on PYTHONPATH, then runs the
+#       check; its JSON goes to OUT.json.
 set -euo pipefail
+CALLER=$PWD
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$(mktemp -d)}
-run() { python -m kvexport.cli.main "$@"; }
-check() {  # model package
-python - "$1" "$2" <<'PY'
-import json, sys, time, torch
-from kvexport.exporter.sources.models import load_model
-from kvexport.runtime.verify import verify
-from kvexport.runtime import generate, load
-model, package = sys.argv[1], sys.argv[2]
-hf = load_model(model).model.to("cuda")
-rt = load(package)
-vocab = rt.vocab_size
-g = torch.Generator().manual_seed(0)
-prompts = [torch.randint(3, vocab, (24,), generator=g).tolist() for _ in range(8)]
-report = verify(rt, hf, prompts[:2], 24)
-result = {"model": model, "greedy_equal_hf": report["greedy_equal_alone"] and report["greedy_equal_batched"],
-          "max_abs_logits_diff": max(report["max_abs_logits_diff"].values())}
-for batch in (1, 8):
-    generate(rt, prompts[:batch], 4, stop_at_eos=False)
-    torch.cuda.synchronize(); start = time.perf_counter()
-    generate(rt, prompts[:batch], 65, stop_at_eos=False)
-    torch.cuda.synchronize(); long = time.perf_counter() - start
-    start = time.perf_counter(); generate(rt, prompts[:batch], 1, stop_at_eos=False); short = time.perf_counter() - start
-    result[f"decode_tokens_per_s_batch{batch}"] = round(batch * 64 / (long - short), 1)
-print(json.dumps(result))
-sys.exit(0 if result["greedy_equal_hf"] else 1)
-PY
+WHEELS=.whl
+# what the image lacks (KINDS.md's package list); --no-deps: each is named
+MISSING=("torchao==0.18.0")
+
+prepare() {
+    local PYTHON=${PYTHON:-.venv/bin/python}  # here: the project's venv (setuptools with bdist_wheel)
+    rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w "$WHEELS" . 2>&1 | grep -v "^WARNING: Location" || true
+    "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$WHEELS" "${MISSING[@]}" 2>&1 | grep -v "^WARNING: Location" || true
+    ls -l "$WHEELS"
+    du -sb "$WHEELS" | awk '{printf "[gpu_check] %.1f MiB of wheels (a device run carries at most 64 MiB)\n", $1 / 1048576}'
 }
-SMALL="--use-offgraph-kv-cache --backend aoti --device cuda --forward-sizes 1,2,4,8 --max-step-tokens 64 --max-cells 2048 --overwrite"
-run export tiny-llama -o "$OUT/tiny" $SMALL
-check tiny-llama "$OUT/tiny"
-if [ -n "${SMOLLM2_DIR:-}" ]; then
-  run export "$SMOLLM2_DIR" -o "$OUT/smollm2" $SMALL
-  check "$SMOLLM2_DIR" "$OUT/smollm2"
-else
-  echo "SMOLLM2_DIR not set: SmolLM2 skipped"
-fi
+
+run() {
+    local PYTHON=${PYTHON:-python3}  # there: the image's python, which holds its torch
+    local out; out=$(cd "$CALLER" && realpath -m "$1"); shift
+    if [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+        local site=${KVEXPORT_SITE:-/tmp/kvexport-site}
+        "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$WHEELS"/*.whl
+        export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+        KVEXPORT_WHEELS_MB=$(du -sb "$WHEELS" | awk '{printf "%.1f", $1 / 1048576}')
+        export KVEXPORT_WHEELS_MB
+    fi
+    # the installed wheel, not this checkout's folders: bench/ is the only path added
+    (cd bench && "$PYTHON" gpu_check.py --out "$out" "$@")
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    run) shift; [ $# -ge 1 ] || { echo "usage: bench/gpu_check.sh run OUT.json [options]" >&2; exit 2; }; run "$@" ;;
+    *) echo "usage: bench/gpu_check.sh prepare | run OUT.json [--device cuda|cpu] [options]" >&2; exit 2 ;;
+esac
