@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 DEFAULT_SHAPES = {"cuda": "tiny-llama,llama3.2-1b,llama3.1-8b", "cpu": "tiny-llama,llama-small"}
-LAYOUT = ["--forward-sizes", "1,8,64", "--max-step-tokens", "512", "--max-cells", "8192", "--max-context-len", "2048"]
+LAYOUT = ["--forward-sizes", "1,8,64", "--max-step-tokens", "512", "--max-cells", "8192", "--max-context-len", "1024"]
 SESSIONS = (1, 8, 64)
 PARITY_PROMPTS, PARITY_TOKENS = 4, 16
 DECODE_TOKENS = 32
@@ -184,8 +184,10 @@ def check_model(name: str, device: str, work: Path) -> dict:
 def machine(device: str) -> dict:
     import transformers
 
+    import kvexport.runtime
+
     info = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "cpu_threads": torch.get_num_threads()}
+            "cpu_threads": torch.get_num_threads(), "kvexport_from": str(Path(kvexport.runtime.__file__).parent.parent)}
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     try:

@@ -44,13 +44,14 @@ _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
          "softmax.int", "sort.stable", "sum.dim_IntList"),
     ),
     (
-        "matrix products: the kernel checks that the inner sizes agree",
-        ("bmm.default", "linear.default", "mm.default", "scaled_dot_product_attention.default"),
+        "matrix products: the kernel checks that the inner sizes agree (matmul: transformers 5.17 computes "
+        "the rotary angles with one, as `inv_freq @ positions`)",
+        ("bmm.default", "linear.default", "matmul.default", "mm.default", "scaled_dot_product_attention.default"),
     ),
     (
         "copies and conversions: a fresh output of the input's own size (layout and device are checked below)",
         ("_to_copy.default", "clone.default", "ones_like.default", "zeros_like.default", "to.device", "to.dtype",
-         "type_as.default"),
+         "to.dtype_layout", "type_as.default"),
     ),
     (
         "joins: the output is the sum of the inputs, whose other sizes the kernel checks agree",

@@ -12,6 +12,7 @@ serde module's `serialize(..., serialize_state_dict=False, ...)` and its
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import types
 import typing
@@ -25,6 +26,24 @@ from kvexport.contract.op_allowlist import DEFAULT_LIMITS, ProgramLimits
 from kvexport.contract.program_check import UnsafeProgram, check_program, parse_sym_expr
 
 
+@contextlib.contextmanager
+def fake_mode_of(values: typing.Any) -> typing.Iterator[None]:
+    """Runs an op on the fake tensors among `values` (a graph node's fake
+    value) in their fake mode, with the Python dispatcher on. torch 2.11
+    needs both for an op whose decomposition reads symbolic sizes (linear
+    over [1, T, D]: "Cannot call numel() on tensor with symbolic sizes");
+    2.13 finds the mode from the tensors themselves."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._guards import detect_fake_mode
+
+    mode = detect_fake_mode(values)
+    if mode is None:
+        yield
+        return
+    with mode, enable_python_dispatcher():
+        yield
+
+
 def graph_to_json(program: torch.export.ExportedProgram) -> bytes:
     """The program's graph, signature and shape constraints; no tensors.
     Stack traces are dropped: they hold the export machine's paths and make
@@ -34,18 +53,28 @@ def graph_to_json(program: torch.export.ExportedProgram) -> bytes:
     # torch 2.13's serializer calls canonicalize() only to test that a
     # canonical form exists and drops the result; its deep copies are two
     # thirds of the serializing time of a 30-layer graph.
-    original = serde.canonicalize
-    serde.canonicalize = _skip_canonical_check
-    try:
-        artifact = serde.serialize(
-            program,
-            serialize_state_dict=False,
-            serialize_constants=False,
-            serialize_example_inputs=False,
-        )
-    finally:
-        serde.canonicalize = original
+    with _patched(serde, "canonicalize", _skip_canonical_check):
+        if "serialize_state_dict" in inspect.signature(serde.serialize).parameters:
+            artifact = serde.serialize(
+                program,
+                serialize_state_dict=False,
+                serialize_constants=False,
+                serialize_example_inputs=False,
+            )
+        else:  # torch 2.11 has no such options: its pickling of the tensors is skipped by hand
+            with _patched(serde, "serialize_torch_artifact", lambda *args, **kwargs: b""):
+                artifact = serde.serialize(program)
     return artifact.exported_program
+
+
+@contextlib.contextmanager
+def _patched(module: types.ModuleType, name: str, value: typing.Any) -> typing.Iterator[None]:
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
 
 
 def _skip_canonical_check(exported_program, constants=None):

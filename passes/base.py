@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch.fx
 
+from kvexport.contract import torch_compat
 from kvexport.contract.errors import ExportError
 
 
@@ -78,7 +79,8 @@ def emit(graph: torch.fx.Graph, like: torch.fx.Node, target, *args, **kwargs) ->
     new = graph.call_function(target, args, kwargs)
     new.meta.update({k: like.meta[k] for k in SOURCE_META if k in like.meta})
     args, kwargs = torch.fx.node.map_arg((args, kwargs), lambda n: n.meta["val"])
-    new.meta["val"] = target(*args, **kwargs)
+    with torch_compat.fake_mode_of((args, kwargs)):
+        new.meta["val"] = target(*args, **kwargs)
     return new
 
 

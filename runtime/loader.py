@@ -127,6 +127,11 @@ class LoadedPackage:
     def has_method(self, name: str) -> bool:
         return name in self.manifest["methods"]
 
+    def build_methods(self) -> None:
+        """Builds every method now rather than at its first call."""
+        for name in self.manifest["methods"]:
+            self.method(name)
+
     def method(self, name: str) -> Callable:
         """The runnable program of a method, rebuilt on first use."""
         if name not in self._methods and "compiled" in self.manifest["methods"][name]:

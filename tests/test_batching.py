@@ -277,3 +277,13 @@ def test_a_step_reads_its_own_cells_not_those_others_keep(model, tiny_runtime):
     runtime.package = runtime.package._inner
     first = int(kept_logits.argmax())
     assert [first] + greedy_loop(runtime, [(kept, [first])], 5)[0] == solo(tiny_runtime, model, kept_prompt, 6)
+
+
+def test_build_methods_builds_every_method_up_front(tiny_package):
+    # serve builds them while loading: no request waits for one, and none is rebuilt on the engine's thread
+    from kvexport.runtime import load
+
+    package = load(tiny_package("tiny-llama")).package
+    assert not package._methods
+    package.build_methods()
+    assert set(package._methods) == set(package.manifest["methods"])

@@ -61,10 +61,27 @@ class CompileJob:
 def configs_of(job: CompileJob) -> dict:
     """The inductor settings `job` compiles with."""
     if not (job.kernel_rows or job.packed_rows or job.attention_rows):
-        return dict(INDUCTOR_CONFIGS)
+        return _known(INDUCTOR_CONFIGS)
     from kvexport.partitioners.aoti.kernels.build import inductor_configs
 
-    return INDUCTOR_CONFIGS | inductor_configs()
+    return _known(INDUCTOR_CONFIGS) | inductor_configs()
+
+
+def _known(configs: dict) -> dict:
+    """The settings this torch has. torch 2.11 has no
+    aot_inductor.enable_line_tables: its methods keep their line tables
+    (larger archives, nothing else)."""
+    from torch._inductor import config
+
+    def has(key: str) -> bool:
+        owner = config
+        for part in key.split("."):
+            if not hasattr(owner, part):
+                return False
+            owner = getattr(owner, part)
+        return True
+
+    return {key: value for key, value in configs.items() if has(key)}
 
 
 def compile_one(job: CompileJob) -> tuple[str, float, dict[str, int], bool]:
@@ -138,17 +155,17 @@ def compile_one(job: CompileJob) -> tuple[str, float, dict[str, int], bool]:
 
 
 def _drop_sources(archive: Path) -> None:
-    """Rewrites a compiled archive without the C++ that inductor generated
-    (about 40% of its bytes): loading needs the library, not its sources.
-    Every other entry is copied as it was, in order, so the bytes stay
-    the same from one compile to the next."""
+    """Rewrites a compiled archive with the C++ that inductor generated
+    emptied (about 40% of its bytes): loading needs the library, not its
+    sources. The entries stay, empty: torch 2.11's loader finds a method's
+    metadata by its source's name. Every other entry is copied as it was, in
+    order, so the bytes stay the same from one compile to the next."""
     import zipfile
 
     staged = archive.with_name(archive.name + ".partial")
     with zipfile.ZipFile(archive) as source, zipfile.ZipFile(staged, "w") as target:
         for info in source.infolist():
-            if not info.filename.endswith(".cpp"):
-                target.writestr(info, source.read(info))
+            target.writestr(info, b"" if info.filename.endswith(".cpp") else source.read(info))
     os.replace(staged, archive)
 
 

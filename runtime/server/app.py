@@ -390,7 +390,7 @@ def load_engine(state: ServerState, package, *, trust_native_code: bool, expect_
         if not result.ok:
             raise KvexportError(f"{package}: {result.summary}; refusing to serve it (--no-verify serves it unchecked)")
         log.info("%s", result.summary)
-    speculation = None
+    speculation, draft_runtime = None, None
     if speculative != "off":
         from kvexport.runtime.speculative import Speculation
 
@@ -400,6 +400,10 @@ def load_engine(state: ServerState, package, *, trust_native_code: bool, expect_
         state.metrics.watch("kvexport_speculative_drafted_tokens", "Tokens drafted (prompt lookup or the draft package)",
                             lambda: stats.drafted)
         state.metrics.watch("kvexport_speculative_accepted_tokens", "Drafted tokens the model kept", lambda: stats.accepted)
+    # every method built here, not at its first request: no request waits for one, and no program is
+    # rebuilt on the engine's thread (torch 2.11 crashed doing that, in FakeTensorMode.__enter__)
+    for rt in filter(None, (runtime, draft_runtime)):
+        rt.package.build_methods()
     text = runtime.package.tokenizer() if runtime.package.manifest.get("tokenizer") else None
     metrics = state.metrics
     digest = manifest_digest(runtime.package.reader.manifest_bytes)
