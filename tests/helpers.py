@@ -22,6 +22,12 @@ MODEL_BACKENDS = [(model, "portable") for model in TINY] + [pytest.param(AOTI_MO
 TINY_LAYOUT = dict(forward_sizes="1,4", max_step_tokens=24, max_cells=512)
 
 
+TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+# models whose export fails under torch 2.11 (the fast tier is checked there by hand), and why
+UNTRACEABLE_BEFORE_2_13 = {
+    "tiny-gemma2": "torch 2.11 cannot prove the guard min(C, 4*C) == C that tracing Gemma2 (transformers 5.17) makes",
+}
+
 PROGRESS: dict[str, list[str]] = {}  # the progress lines of each export_tiny in this process, by output path
 
 
@@ -29,6 +35,8 @@ def export_tiny(model: str, out, *, check_package=_check_package, transform_pass
                 **overrides):
     """Exports as the CLI does: the package must reproduce its reference
     tokens (unless verify=False) before it is written."""
+    if model in UNTRACEABLE_BEFORE_2_13 and TORCH < (2, 13):
+        pytest.skip(f"{model}: {UNTRACEABLE_BEFORE_2_13[model]} (docs/torch-versions.md)")
     flags = dict(model=model, output=str(out), use_offgraph_kv_cache=True, **TINY_LAYOUT)
     if overrides.get("backend") == "aoti":
         flags["row_kernel"] = "on"  # every token test of an aoti package runs the row kernel, on any machine

@@ -4,6 +4,7 @@ file pass, and a small program file cannot exhaust the machine."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import io
@@ -203,23 +204,31 @@ def gzip_bomb() -> bytes:
     return gzip.compress(b"[") + body * 341 + gzip.compress(b"{}]")
 
 
-# validate on a tiny package peaks at ~0.75 GB of address space here (torch's
-# libraries); the bomb gets 1.5 GB on top, where it used to take ~30 GB
-MEMORY_LIMIT = (750 << 20) + (1536 << 20)
 VALIDATE = "r = validate_package(pkg); print(render(r)); sys.exit(0 if r.ok else 1)"
 FIRST_USE = "runtime = load(pkg)\ntry:\n    runtime.package.method('forward_1')\nexcept PackageError as e:\n    print(e); sys.exit(1)"
+PREAMBLE = (
+    "import sys\nfrom kvexport.contract.validate import validate_package, render\n"
+    "from kvexport.runtime import load, PackageError\npkg = sys.argv[1]\n"
+)
+BOMB_ROOM = 1536 << 20  # what the bomb gets on top of the child's own imports; it used to take ~30 GB
+
+
+@functools.cache
+def memory_limit() -> int:
+    """The child's address space after its imports (torch's libraries: ~0.75
+    GB for the CPU build here, several GB for a CUDA build) plus BOMB_ROOM."""
+    peak = "print(next(l for l in open('/proc/self/status') if l.startswith('VmPeak')).split()[1])"
+    kb = subprocess.run([sys.executable, "-c", PREAMBLE + peak, "."], capture_output=True, text=True, check=True).stdout
+    return int(kb) * 1024 + BOMB_ROOM
 
 
 def run_bounded(snippet: str, pkg) -> subprocess.CompletedProcess:
     """`snippet` in a child whose address space is capped: a bomb that got
     through would end it with a MemoryError, not exhaust the machine."""
-    preamble = (
-        "import sys\nfrom kvexport.contract.validate import validate_package, render\n"
-        "from kvexport.runtime import load, PackageError\npkg = sys.argv[1]\n"
-    )
+    limit = memory_limit()
     return subprocess.run(
-        [sys.executable, "-c", preamble + snippet, str(pkg)], capture_output=True, text=True, timeout=180,
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT)),
+        [sys.executable, "-c", PREAMBLE + snippet, str(pkg)], capture_output=True, text=True, timeout=180,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)),
     )
 
 
