@@ -57,8 +57,7 @@ def source(name: str, work: Path) -> tuple[str, str]:
     """(what `kvexport export` takes, dtype) for a model of the check."""
     if name.startswith("tiny-"):
         return name, "fp32"
-    sys.path.insert(0, str(Path(__file__).parent))
-    from big_model import write_checkpoint
+    from big_model import write_checkpoint  # beside this script
 
     directory = work / f"model-{name}"
     start = time.perf_counter()

@@ -6,6 +6,7 @@ each session's selected logits."""
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -14,7 +15,7 @@ import torch
 
 from kvexport.contract import manifest as mf
 from kvexport.contract.offgraph_kv import ForwardInputs
-from kvexport.runtime.cell_cache import SCRATCH_CELL, Allocator, CellCache, io_buffer, sequence_bit, zeros_allocator
+from kvexport.runtime.cell_cache import SCRATCH_CELL, Allocator, CellCache, allocate, io_buffer, sequence_bit, zeros_allocator
 from kvexport.contract.errors import PackageError, RuntimeRefusal
 from kvexport.runtime.loader import IOManager, LoadedPackage, check_output, register_io_manager
 from kvexport.runtime.step_graphs import StepGraphs
@@ -103,7 +104,10 @@ class OffgraphKVManager(IOManager):
         )
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
-        self.graphs = StepGraphs(package.run, self.vocab_size, self.device, self.cache.max_cells, SCRATCH_CELL) if cuda_graphs else None
+        self.graphs = None
+        if cuda_graphs:
+            buffer = lambda shape, dtype: allocate(allocator, shape, dtype, self.device)  # noqa: E731
+            self.graphs = StepGraphs(package.run, self.vocab_size, self.device, buffer, self.cache.max_cells, SCRATCH_CELL)
 
     # ------------------------------------------------------------ sessions
     def new_session(self) -> Session:
@@ -203,20 +207,29 @@ class OffgraphKVManager(IOManager):
             step_bits = _pad(bits[sl], pad, 0)
             masks = self.cache.masks(step_bits, step_pos, cells_seen)
             inputs = ForwardInputs(
-                tokens=self._io(step_tokens.unsqueeze(0)),
-                input_pos=self._io(step_pos),
-                logits_to_keep=self._io(torch.tensor(keep, dtype=torch.int64)),
+                tokens=step_tokens.unsqueeze(0),
+                input_pos=step_pos,
+                logits_to_keep=torch.tensor(keep, dtype=torch.int64),
                 pools=self.cache.views(cells_seen),
-                cells=self._io(step_cells),
-                masks=[self._io(mask) for mask in masks],
+                cells=step_cells,
+                masks=masks,
             )
-            logits = self.graphs(piece.method, piece.width, inputs.pools, inputs) if graphed else None
+            # a graph copies the host's values into its own buffers; a plain call takes them on the device
+            logits = self.graphs(piece.method, inputs) if graphed else None
             if logits is None:
-                logits = self.package.run(piece.method, *inputs.pack())
+                logits = self.package.run(piece.method, *self._on_device(inputs).pack())
             check_output(piece.method, logits, (want, self.vocab_size), torch.float32)
             for i, row in enumerate(rows):
                 out[piece.start + row] = logits[i]
         return out
+
+    def _on_device(self, inputs: ForwardInputs) -> ForwardInputs:
+        """`inputs` in I/O buffers on the device (the pools already are)."""
+        return dataclasses.replace(
+            inputs, tokens=self._io(inputs.tokens), input_pos=self._io(inputs.input_pos),
+            logits_to_keep=self._io(inputs.logits_to_keep), cells=self._io(inputs.cells),
+            masks=[self._io(mask) for mask in inputs.masks],
+        )
 
     def _io(self, values: torch.Tensor) -> torch.Tensor:
         return io_buffer(self.allocator, values, self.device)

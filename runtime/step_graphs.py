@@ -47,20 +47,12 @@ class CallCapture:
         self.out.copy_(self.fn())
 
 
-class _PoolHandle:
-    """One memory pool shared by every graph of a runtime: graphs replay one
-    at a time, so their intermediates can share addresses."""
+def cuda_capture() -> Capture:
+    """Captures on the current CUDA device. Every graph of the runtime shares
+    one memory pool: graphs replay one at a time, so their intermediates can
+    share addresses."""
+    pool = torch.cuda.graph_pool_handle()
 
-    def __init__(self) -> None:
-        self.handle = None
-
-    def get(self):  # noqa: ANN201 (torch's opaque handle)
-        if self.handle is None:
-            self.handle = torch.cuda.graph_pool_handle()
-        return self.handle
-
-
-def cuda_capture(pool: _PoolHandle) -> Capture:
     def capture(fn: Callable[[], torch.Tensor], out: torch.Tensor) -> Replay:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -69,7 +61,7 @@ def cuda_capture(pool: _PoolHandle) -> Capture:
                 out.copy_(fn())
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool.get()):
+        with torch.cuda.graph(graph, pool=pool):
             out.copy_(fn())
         return graph
 
@@ -82,46 +74,54 @@ def graph_cells(n_cells: int, max_cells: int) -> int:
     return min(max_cells, max(MIN_CELLS, 1 << (n_cells - 1).bit_length()))
 
 
+Buffer = Callable[[tuple, torch.dtype], torch.Tensor]  # (shape, dtype) -> a zeroed tensor on the device
+
+
 class _Graph:
     """A static method captured over a `cells`-cell view of the pools."""
 
     def __init__(self, run: Callable[..., torch.Tensor], width: int, vocab: int, pools: list[torch.Tensor],
-                 n_masks: int, device: torch.device, capture: Capture, scratch_cell: int):
+                 n_masks: int, buffer: Buffer, capture: Capture, scratch_cell: int):
         cells = pools[0].shape[0]
-        i64 = dict(dtype=torch.int64, device=device)
         self.inputs = ForwardInputs(
-            tokens=torch.zeros((1, width), **i64),
-            input_pos=torch.zeros(width, **i64),
-            logits_to_keep=torch.arange(width, **i64),
+            tokens=buffer((1, width), torch.int64),
+            input_pos=buffer((width,), torch.int64),
+            logits_to_keep=buffer((width,), torch.int64),
             pools=pools,
-            cells=torch.full((width,), scratch_cell, **i64),  # the warm-up writes the scratch cell only
-            masks=[torch.zeros((width, cells), dtype=torch.bool, device=device) for _ in range(n_masks)],
+            cells=buffer((width,), torch.int64),
+            masks=[buffer((width, cells), torch.bool) for _ in range(n_masks)],
         )
+        # the warm-up reads every row and writes the scratch cell only
+        self.inputs.logits_to_keep.copy_(torch.arange(width))
+        self.inputs.cells.fill_(scratch_cell)
         for mask in self.inputs.masks:
             mask[:, scratch_cell] = True
-        self.out = torch.empty((width, vocab), dtype=torch.float32, device=device)
+        self.out = buffer((width, vocab), torch.float32)
         packed = self.inputs.pack()
         self.replayer = capture(lambda: run(*packed), self.out)
 
     def __call__(self, inputs: ForwardInputs) -> torch.Tensor:
+        """Copies `inputs` (on the host or the device) into the fixed buffers
+        and replays."""
         fixed = self.inputs
-        for buffer, value in ((fixed.tokens, inputs.tokens), (fixed.input_pos, inputs.input_pos),
-                              (fixed.logits_to_keep, inputs.logits_to_keep), (fixed.cells, inputs.cells)):
-            buffer.copy_(value, non_blocking=True)
-        for buffer, value in zip(fixed.masks, inputs.masks):
+        pairs = [(fixed.tokens, inputs.tokens), (fixed.input_pos, inputs.input_pos),
+                 (fixed.logits_to_keep, inputs.logits_to_keep), (fixed.cells, inputs.cells),
+                 *zip(fixed.masks, inputs.masks)]
+        for buffer, value in pairs:
             buffer.copy_(value, non_blocking=True)
         self.replayer.replay()
         return self.out.clone()  # the next replay overwrites out
 
 
 class StepGraphs:
-    """The graphs of one runtime's static methods, keyed by (method, cells)."""
+    """The graphs of one runtime's static methods, keyed by (method, cells).
+    Their fixed buffers come from `buffer` (the runtime's allocator)."""
 
-    def __init__(self, run: Callable[..., torch.Tensor], vocab: int, device: torch.device, max_cells: int,
-                 scratch_cell: int, capture: Capture | None = None):
-        self.run, self.vocab, self.device = run, vocab, device
+    def __init__(self, run: Callable[..., torch.Tensor], vocab: int, device: torch.device, buffer: Buffer,
+                 max_cells: int, scratch_cell: int, capture: Capture | None = None):
+        self.run, self.vocab, self.buffer = run, vocab, buffer
         self.max_cells, self.scratch_cell = max_cells, scratch_cell
-        self.capture = capture or (cuda_capture(_PoolHandle()) if device.type == "cuda" else CallCapture)
+        self.capture = capture or (cuda_capture() if device.type == "cuda" else CallCapture)
         self.graphs: dict[tuple[str, int], _Graph] = {}
         self.pools_at: int | None = None  # the address the graphs read the pools at
         self.failed: set[str] = set()  # methods whose capture failed: run plainly
@@ -132,9 +132,11 @@ class StepGraphs:
     def takes(self, method: str) -> bool:
         return method.startswith("forward_") and method != "forward_others" and method not in self.failed
 
-    def __call__(self, method: str, width: int, pools: list[torch.Tensor], inputs: ForwardInputs) -> torch.Tensor | None:
-        """The method's logits through its graph for `pools` (views of
-        `self.cells(...)` cells), or None where it cannot be captured."""
+    def __call__(self, method: str, inputs: ForwardInputs) -> torch.Tensor | None:
+        """The method's logits through its graph for `inputs`, whose pools
+        are views of `self.cells(...)` cells; None where it cannot be
+        captured."""
+        pools = list(inputs.pools)
         address = pools[0].untyped_storage().data_ptr()
         if address != self.pools_at:  # the pools grew: every graph reads freed memory
             self.graphs.clear()
@@ -142,8 +144,8 @@ class StepGraphs:
         key = (method, pools[0].shape[0])
         if key not in self.graphs:
             try:
-                self.graphs[key] = _Graph(lambda *a: self.run(method, *a), width, self.vocab, pools, len(inputs.masks),
-                                          self.device, self.capture, self.scratch_cell)
+                self.graphs[key] = _Graph(lambda *a: self.run(method, *a), inputs.tokens.shape[1], self.vocab, pools,
+                                          len(inputs.masks), self.buffer, self.capture, self.scratch_cell)
             except Exception as e:  # noqa: BLE001 (any capture failure: the plain call still works)
                 log.warning("%s: not captured as a CUDA graph (%s: %s); it runs without one", method, type(e).__name__,
                             str(e)[:200])

@@ -102,10 +102,12 @@ class CountingAllocator:
         return tensor
 
 
-@pytest.mark.parametrize("contract", ["offgraph_kv", *SINGLE])
-def test_every_cache_and_io_buffer_comes_from_the_allocator(package, contract):
+# cuda_graphs on the CPU: the graphs' fixed buffers (runtime/step_graphs.py) come from the allocator too
+@pytest.mark.parametrize("contract, options", [("offgraph_kv", {}), ("offgraph_kv", {"cuda_graphs": True}),
+                                               *[(c, {}) for c in SINGLE]], ids=["offgraph_kv", "offgraph_kv-graphs", *SINGLE])
+def test_every_cache_and_io_buffer_comes_from_the_allocator(package, contract, options):
     allocator = CountingAllocator()
-    runtime = load(package(contract), allocator=allocator)
+    runtime = load(package(contract), allocator=allocator, **options)
     fed = []
     original = runtime.package.method
 

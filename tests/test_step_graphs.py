@@ -65,6 +65,10 @@ def test_cpu_packages_run_plainly_unless_asked(tiny_runtime):
     assert tiny_runtime("tiny-llama", cuda_graphs=False).graphs is None
 
 
+def zeros(shape, dtype):
+    return torch.zeros(shape, dtype=dtype)
+
+
 def _inputs(width: int, cells: int, masks: int = 1):
     from kvexport.contract.offgraph_kv import ForwardInputs
 
@@ -81,14 +85,14 @@ def test_graphs_are_dropped_when_the_pools_move():
         calls.append(pool.data_ptr())
         return torch.full((tokens.shape[1], 5), float(tokens.sum()))
 
-    graphs = StepGraphs(run, 5, torch.device("cpu"), 1024, 0)
+    graphs = StepGraphs(run, 5, torch.device("cpu"), zeros, 1024, 0)
     pools, inputs = _inputs(2, 64)
-    assert graphs("forward_2", 2, pools, inputs).tolist() == [[2.0] * 5] * 2
+    assert graphs("forward_2", inputs).tolist() == [[2.0] * 5] * 2
     assert list(graphs.graphs) == [("forward_2", 64)]
-    graphs("forward_2", 2, pools, inputs)
+    graphs("forward_2", inputs)
     assert len(graphs.graphs) == 1
     moved, inputs = _inputs(2, 64)  # a grown pool: new storage
-    graphs("forward_2", 2, moved, inputs)
+    graphs("forward_2", inputs)
     assert calls[-1] == moved[0].data_ptr() and len(graphs.graphs) == 1
     assert graphs.takes("forward_2") and not graphs.takes("forward_others") and not graphs.takes("sample")
 
@@ -97,8 +101,8 @@ def test_a_failed_capture_falls_back_to_the_plain_call(caplog):
     def refuse(fn, out):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    graphs = StepGraphs(lambda *a: None, 5, torch.device("cpu"), 1024, 0, capture=refuse)
+    graphs = StepGraphs(lambda *a: None, 5, torch.device("cpu"), zeros, 1024, 0, capture=refuse)
     pools, inputs = _inputs(1, 64)
     with caplog.at_level(logging.WARNING):
-        assert graphs("forward_1", 1, pools, inputs) is None
+        assert graphs("forward_1", inputs) is None
     assert "not captured" in caplog.text and not graphs.takes("forward_1")
