@@ -29,13 +29,11 @@
 using namespace kv;
 
 constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead the weight rows are fetched into L2
-// fp32 tiles of fewer input rows leave the weights to the hardware prefetcher:
-// over one row the software prefetch made a SmolLM2 step's products 15-30%
-// slower on an AVX-512 AMD EPYC (bench/packed_kernel.py), over 8 rows 1.5 x
-// faster. bf16 tiles prefetch at every row count: over one row, on the same
-// kind of machine, 1.4-1.7 x faster with it (both builds; its memory then
-// read at half the rate it read at when the fp32 figures were taken).
-constexpr int PREFETCH_FROM_ROWS = 2;
+// Every tile prefetches, whatever its row count. Over one fp32 row the
+// prefetch once measured 15-30% slower on an AVX-512 AMD EPYC; measured again
+// on the same kind of machine (one binary with both forms, alternating, six
+// runs, a SmolLM2 step's products), it was 8-22% faster with AVX-512 code and
+// with AVX2 code, and bf16 tiles were 1.4-1.7 x faster with it.
 constexpr int64_t BAND = 64;           // weight rows a thread takes at a time
 constexpr int MR_MAX = REGISTERS == 32 ? 8 : 4;
 
@@ -57,7 +55,7 @@ static inline void tile(const T* x, int64_t ldx, const T* w, int64_t K, float* o
 #pragma GCC unroll 8
     for (int j = 0; j < NR; j++) {
       wv[j] = load(w + j * K + k);
-      if constexpr (MR >= PREFETCH_FROM_ROWS || sizeof(T) == 2) prefetch_l2(ahead + j * K + k);
+      prefetch_l2(ahead + j * K + k);
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) {
