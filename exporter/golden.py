@@ -26,15 +26,17 @@ from kvexport.contract.sections import ReferenceSection
 QUESTION = "What is the capital of France?"
 TOP = 5
 # (tie margin, logit tolerance: atol, rtol) by dtype: the package computes the
-# same function with other kernels, so its logits differ in rounding. Int8
-# activations (--qact int8) round every linear's input to 127 steps a block:
-# a rounding difference upstream that moves a value across a half step moves
-# it by a whole step, so such packages get bf16's tolerances (a bf16 value
-# has 8 bits of precision, an int8 code 7 and a sign). On SmolLM2 at 4w the
-# compiled package's first logits differed from the eager model's by up to
-# 0.32 on a logit of 25.
-TOLERANCES = {"fp32": (0.05, 1e-2, 1e-3), "bf16": (0.5, 0.25, 2e-2)}
-INT8_ACTIVATIONS = "bf16"
+# same function with other kernels, so its logits differ in rounding.
+# Int8 activations (--qact int8) round every linear's input to 127 steps a
+# block: a rounding difference upstream that moves a value across a half step
+# moves it by a whole step, and over 30 layers those flips add up. On
+# SmolLM2 the compiled package's first logits differed from the eager
+# model's by up to 0.46 on a logit of 24 at 4w and by up to 0.91 at gguf
+# (Q4_1 kept, AVX-512 with VNNI), the top logits mostly moving together;
+# the portable package, the same arithmetic in another order, by up to 0.20.
+# Such packages get twice bf16's relative tolerance and a wider tie margin.
+TOLERANCES = {"fp32": (0.05, 1e-2, 1e-3), "bf16": (0.5, 0.25, 2e-2), "int8 activations": (1.0, 0.5, 4e-2)}
+INT8_ACTIVATIONS = "int8 activations"
 
 
 def probe_prompts(tokenizer: Any, vocab_size: int, widest_static: int, room: int) -> dict[str, list[int]]:
