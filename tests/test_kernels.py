@@ -320,6 +320,9 @@ def int8_operands(bits: int, rows: int, out_features: int, width: int, groups: i
 INT8_CASES = [(b, r, n, k, gr, 0) for b in (4, 8) for r in (1, 2, 3, 4, 5, 8, 9, 16)
               for n, k, gr in ((64, 64, 2), (131, 96, 1), (5, 64, 1), (33, 576, 18))]
 INT8_CASES += [(4, 6, 40, 128, 2, 200), (8, 3, 7, 64, 2, 70), (4, 1, 1, 32, 1, 0)]
+# 4-bit codes go two blocks at a time over a few rows: a pair across two groups
+# (groups of 3 blocks), an odd block count left over, with one group and with 7
+INT8_CASES += [(4, 3, 37, 192, 2, 0), (4, 1, 9, 160, 1, 0), (4, 2, 21, 224, 7, 0), (4, 7, 13, 96, 3, 130)]
 # the panel tiling (8 rows across the lanes, from 8 rows): a panel pair and a
 # lone panel, a part-filled last panel, more panels than one chunk, strided rows
 INT8_CASES += [(b, r, n, k, gr, 0) for b in (4, 8) for r in (17, 40, 137)
