@@ -12,7 +12,11 @@ rows, in one run:
   on the row kernel with bf16 rows and weights, both of its builds (widened
   to fp32 in registers: shift; vdpbf16ps where the CPU has AVX512-BF16: dot);
 - the streaming-read rate (bench/floor.py's `sum`), and each form's bytes
-  over it: the floor a step cannot beat.
+  over it: the floor a step cannot beat;
+- the int8 kernel's arithmetic alone: a 1536 x 576 weight (SmolLM2's gate)
+  that stays in the caches, multiplied 200 times, in nanoseconds per block
+  of 32 codes of one weight row (wall time, all threads): how far the
+  products are from being bound by the reads.
 
     python bench/packed_kernel.py [--shape smollm2-135m] [--rows 1,2,4,8,16]
 
@@ -40,6 +44,8 @@ SHAPES = {
     "llama3.2-1b": ([(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192)], 16,
                     (49152, 2048)),  # bench/llamacpp.py --shape llama3.2-1b (SmolLM2's vocabulary)
 }
+
+HOT = (1536, 576)  # the weight the kernel's arithmetic is timed on, in cache
 
 
 def random_codes(out_features: int, width: int, bits: int, group: int, g: torch.Generator):
@@ -150,8 +156,14 @@ def main() -> None:
             seconds = step_seconds([call(inputs[w.shape[1]], w) for w in ws], args.repeats)
             row[name] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),
                          "floor_ms": round(values * ws[0].element_size() / (read["best_gbps"] * 1e9) * 1e3, 2)}
+        x = torch.randn(rows, HOT[1], generator=g)
+        for (name, (bits, group)), products in itertools.product(int8_forms.items(), int8_products):
+            w = blocks(*HOT, bits, group or HOT[1], g)
+            seconds = step_seconds([int8_call(x, *w, products)] * 200, args.repeats)
+            row[f"{name} ({products}), in cache"] = {"ns_per_block_row": round(seconds / 200 / (HOT[0] * HOT[1] / 32) * 1e9, 3)}
         result["rows"][rows] = row
-        print(f"{rows:>2} rows: " + "; ".join(f"{k} {v['ms']} ms (floor {v['floor_ms']})" for k, v in row.items()),
+        print(f"{rows:>2} rows: " + "; ".join(f"{k} {v['ms']} ms (floor {v['floor_ms']})" if "ms" in v else
+                                             f"{k} {v['ns_per_block_row']} ns a block row" for k, v in row.items()),
               flush=True)
     emit(result)
 
