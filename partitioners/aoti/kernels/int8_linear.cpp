@@ -166,6 +166,12 @@ constexpr bool VNNI = false;
 // what the products take an 8-bit code as: code - SHIFT (maddubs needs them signed)
 constexpr float SHIFT_8BIT = VNNI ? 0.0f : 128.0f;
 
+// each byte's low and high nibbles as bytes: 4-bit codes unpacked in registers
+inline void nibbles(ivec bytes, ivec& low, ivec& high) {
+  low = _mm256_and_si256(bytes, _mm256_set1_epi8(15));
+  high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(15));
+}
+
 // a block's 32 codes of weight row `row` as bytes in K order: unsigned, but
 // code - 128 for 8 bits on maddubs
 template <int BITS>
@@ -253,9 +259,7 @@ inline void tile(const Rows& rows, const uint8_t* data, const float* scale, cons
       if (--left == 0) g++, left = per_group;
 #pragma GCC unroll 8
       for (int j = 0; j < L; j++) {
-        const ivec both = _mm256_loadu_si256((const ivec*)(weights + j * row_bytes + b * (BLOCK / 2)));
-        low[j] = _mm256_and_si256(both, _mm256_set1_epi8(15));
-        high[j] = _mm256_and_si256(_mm256_srli_epi16(both, 4), _mm256_set1_epi8(15));
+        nibbles(_mm256_loadu_si256((const ivec*)(weights + j * row_bytes + b * (BLOCK / 2))), low[j], high[j]);
         prefetch_l2(weights + (j + PREFETCH_ROWS) * row_bytes + b * (BLOCK / 2));
         ws[j] = _mm256_blend_ps(broadcast(scales[j * groups + g0]), broadcast(scales[j * groups + g1]), 0xf0);
       }
@@ -346,8 +350,7 @@ struct BlockCodes {
   inline void read(const uint8_t* row, int64_t b) {
     if constexpr (BITS == 4) {
       const ivec both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(row + b * (BLOCK / 2))));
-      low = _mm256_and_si256(both, _mm256_set1_epi8(15));
-      high = _mm256_and_si256(_mm256_srli_epi16(both, 4), _mm256_set1_epi8(15));
+      nibbles(both, low, high);
     } else {
       bytes = row + b * BLOCK;
     }
