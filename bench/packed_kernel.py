@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from common import cpu_model, emit
 from floor import read_rate
 from kvexport.partitioners.aoti.kernels import build
-from kvexport.passes.packed_weights import pack, pack_blocks, pad_rows
+from kvexport.passes.packed_weights import narrow_tables, pack, pack_blocks, pack_table, pad_rows
 
 # (out, in) of one layer's linears, layers, and the LM head
 SHAPES = {
@@ -62,9 +62,11 @@ def packed(out_features: int, width: int, bits: int, group: int, g: torch.Genera
 
 
 def blocks(out_features: int, width: int, bits: int, group: int, g: torch.Generator):
-    """int8_linear's operands: codes in blocks."""
+    """int8_linear's operands: codes in blocks, scales and offsets in fp16 as
+    exports store them (narrow_tables)."""
     codes, scale, offset = random_codes(out_features, width, bits, group, g)
-    return pack_blocks(codes, bits), scale, offset, bits
+    scale, offset = narrow_tables(scale, offset, exact=False)
+    return pack_blocks(codes, bits), pack_table(scale), pack_table(offset), bits
 
 
 def direct(kernel: str, *operands):
@@ -84,10 +86,11 @@ def packed_call(x, words, scale, offset, bits, rows):
 
 
 def int8_call(x, data, scale, offset, bits, products):
-    (m, k), n = x.shape, data.shape[0]
+    (m, k), n = x.shape, data.shape[0] * 8
     out = x.new_empty(m, n)
     build.int8_linear(x, data, scale, offset, bits, out=out, products=products)
-    return direct(f"int8_linear_{products}", x, k, data, scale, offset, out, m, n, k, scale.shape[1], bits)
+    return direct(f"int8_linear_{products}", x, k, data, scale, offset, out, m, n, k, scale.shape[1] // 8, bits,
+                  scale.element_size() * 8)
 
 
 def rows_call(x, weight, products: str = ""):
@@ -143,9 +146,9 @@ def main() -> None:
             row[name] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),
                          "floor_ms": round(nbytes / (read["best_gbps"] * 1e9) * 1e3, 2)}
         for (name, ws), products in itertools.product(int8_weights.items(), int8_products):
-            widths = [w[0].shape[1] * 8 // w[3] for w in ws]  # a row of data holds width * bits / 8 bytes
+            widths = [w[0].shape[1] // w[3] for w in ws]  # a row of data holds a panel's 8 rows: width * bits bytes
             seconds = step_seconds([int8_call(xs[k], *w, products) for w, k in zip(ws, widths)], args.repeats)
-            nbytes = sum(w[0].numel() + w[1].numel() * 8 for w in ws)
+            nbytes = sum(w[0].numel() + (w[1].numel() + w[2].numel()) * w[1].element_size() for w in ws)
             row[f"{name} ({products})"] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),
                                            "floor_ms": round(nbytes / (read["best_gbps"] * 1e9) * 1e3, 2)}
         floats = [("fp32, row kernel", fp32, xs, rows_call), ("fp32, BLAS", fp32, xs, lambda x, w: lambda: F.linear(x, w)),

@@ -31,7 +31,7 @@ import torch
 import torch.fx
 from torch.export.graph_signature import InputKind, InputSpec, TensorArgument
 
-import kvexport.passes.packed_weights  # noqa: F401  (defines kvexport::int8_rows and kvexport::dequantize_blocks)
+from kvexport.passes.packed_weights import PANEL_ROWS  # (the module defines kvexport::int8_rows and kvexport::dequantize_blocks)
 from kvexport.passes.base import arguments, emit
 
 aten = torch.ops.aten
@@ -104,10 +104,11 @@ def fuse_sibling_int8_products(program: torch.export.ExportedProgram, fused: Fus
     """Rewrites every group of two or more products with int8 activations
     over one input (exporter/quantization's Int8Linear:
     linear(int8_rows(x), dequantize_blocks(data, scale, offset, bits, dtype))),
-    whose codes have one width, group and code size and whose biases are all
-    parameters or all absent: their codes, scales and offsets stacked along
-    the rows (codes in blocks are row by row, so the stacked codes are the
-    parts' bytes one after the other, and each row's product is its part's),
+    whose codes have one width, group and code size, whose scales one dtype,
+    and whose biases are all parameters or all absent: their codes, scales
+    and offsets stacked along the rows (codes in blocks are panel by panel of
+    8 rows, so the stacked codes are the parts' bytes one after the other,
+    and each row's product is its part's),
     x rounded once, one product, sliced back. Returns the number of groups
     fused."""
     graph = program.graph_module.graph
@@ -126,7 +127,7 @@ def fuse_sibling_int8_products(program: torch.export.ExportedProgram, fused: Fus
                 bias is not None and not _parameter(bias, signature.inputs_to_parameters)):
             continue
         shapes = tuple(tuple(t.meta["val"].shape[1:]) for t in (data, scale, offset))
-        key = (rounded.args[0], bits, dtype, shapes, None if bias is None else bias.meta["val"].dtype)
+        key = (rounded.args[0], bits, dtype, shapes, scale.meta["val"].dtype, None if bias is None else bias.meta["val"].dtype)
         groups.setdefault(key, []).append(node)
     count = 0
     replaced: set[torch.fx.Node] = set()
@@ -144,7 +145,7 @@ def fuse_sibling_int8_products(program: torch.export.ExportedProgram, fused: Fus
         with graph.inserting_before(nodes[0]):
             weight = emit(graph, nodes[0], _DEQUANTIZE_BLOCKS, *stacked, bits, dtype)
             product = emit(graph, nodes[0], aten.linear.default, rounded, weight, stacked_bias)
-            _slice_back(graph, nodes, product, [part.meta["val"].shape[0] for part in data])
+            _slice_back(graph, nodes, product, [part.meta["val"].shape[0] * PANEL_ROWS for part in data])
         for node in nodes:
             inputs = [arguments(node)["input"], arguments(node)["weight"]]
             graph.erase_node(node)

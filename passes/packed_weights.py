@@ -120,38 +120,79 @@ def dequantize_rows(words, scale, offset, bits: int, index: torch.Tensor, dtype:
 
 
 # ------------------------------------------------------------------ blocks
-# The format of products with int8 activations (--qact int8). Codes sit
-# along K, a row's blocks of 32 values apart: 8-bit codes a byte each,
-# uint8 [N, K]; 4-bit ones two a byte, uint8 [N, K / 2], byte i of a block's
-# 16 holding value i in its low nibble and value 16 + i in its high one, so
-# a block unpacks with a mask and a shift into 32 bytes in K order: the
-# operand of an integer dot product against 32 activation codes. Scale and
-# offset are [N, groups] (no padding), w = scale * code + offset as above.
+# The format of products with int8 activations (--qact int8): weight rows in
+# panels of 8, each panel's codes block by block (32 values of K), so that a
+# vector of 32 bytes holds 4 codes of each of the panel's 8 rows: one integer
+# dot product against 4 activation codes broadcast gives the 8 rows' sums,
+# and a block ends in one convert, scale and FMA for 8 rows at once.
+#
+# data is uint8 [N / 8, K * bits]: panel p, block b, then quads. 8-bit codes:
+# 8 quads q, each 8 rows r of 4 bytes, byte t = code [8p + r, 32b + 4q + t].
+# 4-bit codes: 4 quads, byte t of row r holding code 32b + 4q + t in its low
+# nibble and code 32b + 16 + 4q + t in its high one (a mask and a shift
+# unpack two quads). Scale and offset ("tables") are [N / 8, groups * 8]:
+# panel p, group g, row r. w = scale * code + offset as above. N is a
+# multiple of 8 (a linear with other N keeps float activations).
 
 BLOCK = 32  # values per block of codes, and per scale of the int8 activations
+PANEL_ROWS = 8  # weight rows a panel of the blocks format interleaves
 
 
 def pack_blocks(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes [N, K] (each < 2**bits, K a multiple of 32) in the blocks format."""
-    if bits == 8:
-        return codes.to(torch.uint8).contiguous()
+    """uint8 codes [N, K] (each < 2**bits, N a multiple of 8, K of 32) in the blocks format."""
     n, k = codes.shape
-    halves = codes.to(torch.uint8).reshape(n, k // BLOCK, 2, BLOCK // 2)
-    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    quads = codes.to(torch.uint8).reshape(n // PANEL_ROWS, PANEL_ROWS, k // BLOCK, BLOCK // 4, 4)
+    if bits == 4:
+        quads = quads[:, :, :, :4] | (quads[:, :, :, 4:] << 4)
+    return quads.permute(0, 2, 3, 1, 4).reshape(n // PANEL_ROWS, -1).contiguous()
 
 
 def unpack_blocks(data: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [N, K]: the inverse of `pack_blocks`, in plain ATen."""
-    if bits == 8:
-        return data
-    n, half = data.shape
-    pairs = data.reshape(n, half // (BLOCK // 2), BLOCK // 2)
-    low, high = torch.bitwise_and(pairs, 15), torch.bitwise_right_shift(pairs, 4)
-    return torch.cat([low, high], -1).reshape(n, 2 * half)
+    panels, width = data.shape
+    k = width // bits
+    quads = data.reshape(panels, k // BLOCK, BLOCK * bits // 32, PANEL_ROWS, 4)
+    if bits == 4:
+        quads = torch.cat([torch.bitwise_and(quads, 15), torch.bitwise_right_shift(quads, 4)], 2)
+    # contiguous, then a view: a reshape of the permuted codes would trace to _unsafe_view, off the allowlist
+    return quads.permute(0, 3, 1, 2, 4).contiguous().view(panels * PANEL_ROWS, k)
+
+
+def pack_table(t: torch.Tensor) -> torch.Tensor:
+    """A scale or offset [N, groups] in the blocks format's order, [N / 8, groups * 8]."""
+    n, groups = t.shape
+    return t.reshape(n // PANEL_ROWS, PANEL_ROWS, groups).transpose(1, 2).reshape(n // PANEL_ROWS, -1).contiguous()
+
+
+def unpack_table(t: torch.Tensor) -> torch.Tensor:
+    """[N, groups]: the inverse of `pack_table`, in plain ATen."""
+    panels, width = t.shape
+    return t.reshape(panels, width // PANEL_ROWS, PANEL_ROWS).permute(0, 2, 1).contiguous().view(panels * PANEL_ROWS, -1)
+
+
+HALF_NORMAL = 2.0**-14  # fp16's smallest normal number
+HALF_MAX = 65504.0
+
+
+def narrow_tables(scale: torch.Tensor, offset: torch.Tensor, exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """scale and offset in fp16 where that keeps them (a weight reads a fifth
+    fewer bytes at 4 bits): `exact`, when every value survives the round
+    trip (a GGUF's own scales); else when every value is within fp16's range
+    and every nonzero scale at least its smallest normal (so a scale keeps
+    11 significant bits). Otherwise both stay fp32."""
+    scale, offset = scale.float(), offset.float()
+    half_scale, half_offset = scale.half(), offset.half()
+    if exact:
+        fits = torch.equal(half_scale.float(), scale) and torch.equal(half_offset.float(), offset)
+    else:
+        scales = scale.abs()
+        fits = (bool(torch.isfinite(half_scale).all() and torch.isfinite(half_offset).all())
+                and bool((scales[scales != 0] >= HALF_NORMAL).all()))
+    return (half_scale, half_offset) if fits else (scale, offset)
 
 
 def _dequantize_blocks(data, scale, offset, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    return _values(unpack_blocks(data, bits), scale, offset, dtype)
+    return _values(unpack_blocks(data, bits), unpack_table(scale), unpack_table(offset), dtype)
 
 
 INV_127 = 1.0 / 127  # an int8 code's step is a block's largest magnitude times this (rounded to fp32)

@@ -5,6 +5,7 @@ kernel (partitioners/aoti/passes/int8_linear.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -22,17 +23,37 @@ from kvexport.exporter.quantization.quantize import Int8Linear, PackedLinear, qu
 from kvexport.partitioners.aoti.passes.int8_linear import INT8_LINEAR, Int8LinearPass, int8_product
 from kvexport.passes.base import run_passes
 from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
-from kvexport.passes.packed_weights import INV_127, _dequantize_blocks, int8_rows, pack_blocks, unpack_blocks
+from kvexport.passes.packed_weights import (
+    INV_127, _dequantize_blocks, int8_rows, narrow_tables, pack_blocks, pack_table, unpack_blocks, unpack_table,
+)
 
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_blocks_round_trip_and_four_bits_take_half_the_bytes(bits):
-    codes = torch.randint(0, 1 << bits, (5, 96), dtype=torch.uint8)
+    codes = torch.randint(0, 1 << bits, (16, 96), dtype=torch.uint8)
     data = pack_blocks(codes, bits)
-    assert data.dtype == torch.uint8 and data.shape == (5, 96 * bits // 8)
+    assert data.dtype == torch.uint8 and data.shape == (2, 96 * bits)  # panels of 8 rows
     assert torch.equal(unpack_blocks(data, bits), codes)
-    if bits == 4:  # byte i of a block: value i low, value 16 + i high
-        assert int(data[0, 0]) == int(codes[0, 0]) | int(codes[0, 16]) << 4
+    # panel 1, block 2, quad 1: 4 bytes of each of the panel's rows; row 3's
+    # are codes 64 + 4 .. 64 + 7 of weight row 11 (4 bits: and 64 + 20 .. high)
+    at = (2 * 4 * (bits // 4) + 1) * 32 + 3 * 4
+    quad = [int(v) for v in data[1, at:at + 4]]
+    want = [int(codes[11, 68 + t]) | (int(codes[11, 84 + t]) << 4 if bits == 4 else 0) for t in range(4)]
+    assert quad == want
+
+
+def test_tables_keep_fp16_only_where_it_holds_them():
+    """fp16 where every value keeps fp16's precision (exact: a GGUF's own
+    scales); a scale under fp16's normal range or a value past its largest
+    keeps both tables fp32."""
+    scale, offset = torch.rand(16, 3) + 0.01, torch.randn(16, 3)
+    assert narrow_tables(scale, offset, exact=False)[0].dtype == torch.float16
+    assert narrow_tables(scale, offset, exact=True)[0].dtype == torch.float32  # rounding would change them
+    halves = (scale.half().float(), offset.half().float())
+    assert all(t.dtype == torch.float16 for t in narrow_tables(*halves, exact=True))
+    assert narrow_tables(scale * 1e-6, offset, exact=False)[1].dtype == torch.float32
+    assert narrow_tables(scale, offset * 1e5, exact=False)[0].dtype == torch.float32
+    assert torch.equal(unpack_table(pack_table(scale)), scale)
 
 
 def test_int8_rows_round_each_block_to_127_steps_of_its_largest_magnitude():
@@ -51,7 +72,8 @@ def test_int8_rows_round_each_block_to_127_steps_of_its_largest_magnitude():
 
 
 def test_the_stored_rounding_calls_only_allowlisted_operators():
-    module = Int8Linear(pack_blocks(torch.zeros(8, 64, dtype=torch.uint8), 4), torch.ones(8, 2), torch.zeros(8, 2), 4)
+    module = Int8Linear(pack_blocks(torch.zeros(8, 64, dtype=torch.uint8), 4), torch.ones(1, 16).half(),
+                        torch.zeros(1, 16).half(), 4)
     program = torch.export.export(module, (torch.randn(2, 64),))
     run_passes(program.graph_module, [DecomposeCustomOpsPass()], "m")
     called = {f"torch.ops.{n.target}" for n in program.graph.nodes if n.op == "call_function"}
@@ -80,7 +102,10 @@ def test_qact_int8_rounds_the_activations_of_the_linears_that_can_take_it():
     assert isinstance(model.head, PackedLinear)  # it shares the embedding's codes, stored for lookups
     assert rows["up"]["activations"] == "int8" and rows["head"]["activations"].startswith("float (shares the codes")
     x = torch.randn(3, 64)
-    want = F.linear(int8_rows(x), quantize_weight(up_weight, 4, 32).dequantize(), up_bias)
+    codes = quantize_weight(up_weight, 4, 32)
+    assert model.up.scale.dtype == model.up.offset.dtype == torch.float16  # fp16 holds these tables
+    stored = dataclasses.replace(codes, scale=codes.scale.half().float(), offset=codes.offset.half().float())
+    want = F.linear(int8_rows(x), stored.dequantize(), up_bias)
     torch.testing.assert_close(model.up(x), want, rtol=1e-6, atol=1e-6)
     grouped = Model().eval()
     rows = {r["module"]: r for r in quantize_model(grouped, "8w", 16, "", qact="int8")}
@@ -104,7 +129,10 @@ def program_of(bits: int, rows: int, bias: bool = True,
     known only at run time when `dynamic`)."""
     torch.manual_seed(bits + rows)
     codes = torch.randint(0, 1 << bits, (24, 64), dtype=torch.uint8)
-    module = Int8Linear(pack_blocks(codes, bits), torch.rand(24, 2), torch.randn(24, 2), bits,
+    scale, offset = torch.rand(24, 2), torch.randn(24, 2)
+    if rows > 1:  # fp16 tables, as exports store them where they fit
+        scale, offset = scale.half(), offset.half()
+    module = Int8Linear(pack_blocks(codes, bits), pack_table(scale), pack_table(offset), bits,
                         torch.randn(24) if bias else None).eval()
     x = torch.randn(1, rows, 64)
     shapes = {"x": {1: torch.export.Dim("tokens", min=2, max=64)}} if dynamic else None
@@ -154,10 +182,11 @@ def test_the_compile_pass_leaves_other_row_counts_and_other_arithmetic():
 
 
 def test_blocks_dequantize_as_scale_times_code_plus_offset():
-    codes = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
-    scale, offset = torch.rand(3, 2), torch.randn(3, 2)
-    want = codes.float().reshape(3, 2, 32) * scale[..., None] + offset[..., None]
-    assert torch.equal(_dequantize_blocks(pack_blocks(codes, 4), scale, offset, 4, torch.float32), want.reshape(3, 64))
+    codes = torch.randint(0, 16, (8, 64), dtype=torch.uint8)
+    scale, offset = torch.rand(8, 2).half(), torch.randn(8, 2).half()
+    want = codes.float().reshape(8, 2, 32) * scale.float()[..., None] + offset.float()[..., None]
+    got = _dequantize_blocks(pack_blocks(codes, 4), pack_table(scale), pack_table(offset), 4, torch.float32)
+    assert torch.equal(got, want.reshape(8, 64))
 
 
 @pytest.mark.compile

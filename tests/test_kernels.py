@@ -299,11 +299,13 @@ def test_the_packed_op_is_its_decomposition():
 
 
 # ----------------------------------------------------------- int8 linear
-def int8_operands(bits: int, rows: int, out_features: int, width: int, groups: int, row_stride: int = 0):
-    """x, and a weight of random codes in blocks with random scales and
-    offsets; plus x rounded to int8 by the definition
-    (passes/packed_weights.py) and the weight, both float64."""
-    from kvexport.passes.packed_weights import _int8_rows, pack_blocks
+def int8_operands(bits: int, rows: int, out_features: int, width: int, groups: int, row_stride: int = 0,
+                  half: bool = False):
+    """x, and a weight of random codes in the blocks format with random
+    scales and offsets (fp16 with `half`, as exports store them); plus x
+    rounded to int8 by the definition (passes/packed_weights.py) and the
+    weight, both float64."""
+    from kvexport.passes.packed_weights import _int8_rows, pack_blocks, pack_table
 
     g = torch.Generator().manual_seed(bits * 7919 + rows * 1000 + out_features + width + groups + 1)
     x = torch.randn(rows, row_stride or width, generator=g)[:, :width]
@@ -311,31 +313,34 @@ def int8_operands(bits: int, rows: int, out_features: int, width: int, groups: i
     if rows > 1:
         x[1, 32:64] *= 1e4  # a block far larger than the rest of its row
     codes, scale, offset, weight = random_weight(g, bits, out_features, width, groups)
-    return x, pack_blocks(codes, bits), scale, offset, _int8_rows(x).double(), weight
+    if half:
+        scale, offset = scale.half(), offset.half()
+        weight = (codes.double().reshape(out_features, groups, -1) * scale.double()[..., None]
+                  + offset.double()[..., None]).reshape(out_features, width)
+    return x, pack_blocks(codes, bits), pack_table(scale), pack_table(offset), _int8_rows(x).double(), weight
 
 
-# row counts over and under a register tile, weight rows not a multiple of a
-# tile (the last ones alone) or of a thread's band, per-row and grouped scales,
-# strided rows
-INT8_CASES = [(b, r, n, k, gr, 0) for b in (4, 8) for r in (1, 2, 3, 4, 5, 8, 9, 16)
-              for n, k, gr in ((64, 64, 2), (131, 96, 1), (5, 64, 1), (33, 576, 18))]
-INT8_CASES += [(4, 6, 40, 128, 2, 200), (8, 3, 7, 64, 2, 70), (4, 1, 1, 32, 1, 0)]
-# 4-bit codes go two blocks at a time over a few rows: a pair across two groups
-# (groups of 3 blocks), an odd block count left over, with one group and with 7
-INT8_CASES += [(4, 3, 37, 192, 2, 0), (4, 1, 9, 160, 1, 0), (4, 2, 21, 224, 7, 0), (4, 7, 13, 96, 3, 130)]
-# the panel tiling (8 rows across the lanes, from 8 rows): a panel pair and a
-# lone panel, a part-filled last panel, more panels than one chunk, strided rows
-INT8_CASES += [(b, r, n, k, gr, 0) for b in (4, 8) for r in (17, 40, 137)
-               for n, k, gr in ((64, 64, 2), (131, 96, 1), (5, 64, 1))]
-INT8_CASES += [(4, 12, 40, 128, 2, 200), (8, 24, 7, 64, 2, 70)]
+# row counts over and under a register tile and a pass of rows (7 on
+# AVX-512, 4 on AVX2), panels of weight rows not a multiple of a tile or of a
+# thread's band, per-row and grouped scales, strided rows, fp32 and fp16 tables
+INT8_CASES = [(b, r, n, k, gr, 0, h) for b in (4, 8) for r in (1, 2, 3, 4, 5, 8, 9, 16)
+              for n, k, gr, h in ((64, 64, 2, False), (136, 96, 1, True), (8, 64, 1, False), (40, 576, 18, True))]
+INT8_CASES += [(4, 6, 40, 128, 2, 200, True), (8, 3, 8, 64, 2, 70, False), (4, 1, 8, 32, 1, 0, True)]
+# groups of several blocks, odd block counts
+INT8_CASES += [(4, 3, 40, 192, 2, 0, True), (4, 1, 16, 160, 1, 0, False), (4, 2, 24, 224, 7, 0, True),
+               (4, 7, 16, 96, 3, 130, False)]
+# many passes of rows, more panels than one chunk (the 576 x 4096 weight), strided rows
+INT8_CASES += [(b, r, n, k, gr, 0, True) for b in (4, 8) for r in (17, 40, 137)
+               for n, k, gr in ((64, 64, 2), (136, 96, 1), (8, 64, 1))]
+INT8_CASES += [(4, 12, 40, 128, 2, 200, False), (8, 24, 8, 64, 2, 70, True), (4, 9, 576, 4096, 128, 0, True)]
 
 
-@pytest.mark.parametrize("bits,rows,out_features,width,groups,row_stride", INT8_CASES)
-def test_int8_linear(isa, shims, bits, rows, out_features, width, groups, row_stride):
+@pytest.mark.parametrize("bits,rows,out_features,width,groups,row_stride,half", INT8_CASES)
+def test_int8_linear(isa, shims, bits, rows, out_features, width, groups, row_stride, half):
     """The kernel rounds x to the same int8 codes as the definition and sums
     their products exactly: one code off moves a result by a step times a
     weight, far more than fp32 rounding (the bound) allows."""
-    x, data, scale, offset, rounded, weight = int8_operands(bits, rows, out_features, width, groups, row_stride)
+    x, data, scale, offset, rounded, weight = int8_operands(bits, rows, out_features, width, groups, row_stride, half)
     out = torch.full((rows, out_features), float("nan"))
     assert_float_sum(build.int8_linear(x, data, scale, offset, bits, out=out, isa=isa), rounded, weight)
     assert_float_sum(shims.call("int8_linear", x, data, scale, offset, bits), rounded, weight)
@@ -352,7 +357,7 @@ def test_the_int8_kernel_runs_vnni_where_the_cpu_has_it(isa, shims, bits):
     compiled code (the shim) runs the VNNI build where the CPU has it."""
     if "vnni" not in INT8_PRODUCTS[isa]:
         pytest.skip(f"this CPU has no VNNI for the {isa} build")
-    x, data, scale, offset, _, _ = int8_operands(bits, 5, 131, 96, 3)
+    x, data, scale, offset, _, _ = int8_operands(bits, 5, 136, 96, 3, half=True)
     vnni = build.int8_linear(x, data, scale, offset, bits, isa=isa, products="vnni")
     assert torch.equal(shims.call("int8_linear", x, data, scale, offset, bits), vnni)
     if bits == 4:
@@ -369,12 +374,12 @@ def test_the_int8_op_is_its_decomposition():
 
 
 # ------------------------------------------------------------ refusals
-def _int8(bits=4, width=64, groups=2, data_dtype=torch.uint8, scale_rows=40):
+def _int8(bits=4, width=64, groups=2, data_dtype=torch.uint8, scale_rows=5, offset_dtype=torch.float32):
     x, data, _, _, _, _ = int8_operands(4, 2, 40, 64, 2)
     if width != 64:
-        x, data = torch.randn(2, width), torch.zeros(40, width // 2, dtype=torch.uint8)
-    scale, offset = torch.rand(scale_rows, groups) + 0.01, torch.randn(scale_rows, groups)
-    return x, data.to(data_dtype), scale, offset, bits
+        x, data = torch.randn(2, width), torch.zeros(5, width * 4, dtype=torch.uint8)
+    scale, offset = torch.rand(scale_rows, groups * 8) + 0.01, torch.randn(scale_rows, groups * 8)
+    return x, data.to(data_dtype), scale, offset.to(offset_dtype), bits
 
 
 def _packed(bits=4, groups=2, width=64, words_dtype=torch.int32, rows=40):
@@ -394,7 +399,9 @@ REFUSED = [
     ("int8_linear", lambda: _int8(data_dtype=torch.int8), "data uint8|uint8 data"),
     ("int8_linear", lambda: _int8(width=48, groups=1), "multiple of 32"),
     ("int8_linear", lambda: _int8(groups=4), "multiple of 32 \\* groups"),
-    ("int8_linear", lambda: _int8(scale_rows=39), "\\[N, groups\\]"),
+    ("int8_linear", lambda: _int8(scale_rows=4), "\\[N / 8, groups \\* 8\\]"),
+    ("int8_linear", lambda: _int8(offset_dtype=torch.float16), "float32 or both float16|both fp32 or both fp16"),
+    ("int8_linear", lambda: _int8(offset_dtype=torch.bfloat16), "float32 or both float16|both fp32 or both fp16"),
     ("rows_linear", lambda: (torch.randn(2, 8), torch.randn(4, 9)), "weight must be \\[N, K\\]"),
     ("rows_linear", lambda: (torch.randn(2, 8), torch.randn(8, 4).t()), "unit stride along K"),
     ("rows_linear", lambda: (torch.randn(2, 8).double(), torch.randn(4, 8).double()), "float32"),

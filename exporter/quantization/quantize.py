@@ -15,13 +15,15 @@ offset per group, `w = scale * code + offset` (passes/packed_weights.py),
 read through PackedLinear / PackedEmbedding. With `--qact int8` a linear's
 activations are rounded too, per row in blocks of 32 to int8 codes and a
 step (passes/packed_weights.py, int8_rows), and its codes are stored in
-blocks along K (Int8Linear): the arithmetic of integer dot products, which
-the eager reference, the portable backend and the aoti kernel all compute.
-A linear whose groups are not whole blocks, or that shares an embedding's
-codes, keeps float activations; the coverage report says which. The scale and offset of a group
+blocks along K, in panels of 8 rows (Int8Linear): the arithmetic of integer
+dot products, which the eager reference, the portable backend and the aoti
+kernel all compute. A linear whose rows are not a multiple of 8, whose
+groups are not whole blocks, or that shares an embedding's codes, keeps
+float activations; the coverage report says which. The scale and offset of a group
 come from its minimum and maximum (the offset is a float, like GGUF's Q4_1,
 so both ends of every group are exact) or from HQQ's search
-(`--qlinear-algorithm hqq`), stored in fp32. `--qlinear-keep-8w` keeps linears at 8
+(`--qlinear-algorithm hqq`), stored in fp32 (fp16 under int8 activations
+where fp16 holds them: narrow_tables). `--qlinear-keep-8w` keeps linears at 8
 bits by name pattern, or the most sensitive ones (`sensitive:FRACTION`:
 each linear's relative output error on a calibration text, 4-bit against
 its float weight).
@@ -42,7 +44,8 @@ from kvexport.contract.errors import SpecError
 from kvexport.exporter.memory import release_freed_memory
 from kvexport.exporter.quantization.gguf_codes import GroupCodes, read_gguf_codes
 from kvexport.passes.packed_weights import (
-    BLOCK, dequantize_blocks, dequantize_packed, dequantize_rows, int8_rows, pack, pack_blocks, pad_rows,
+    BLOCK, PANEL_ROWS, dequantize_blocks, dequantize_packed, dequantize_rows, int8_rows, narrow_tables, pack, pack_blocks,
+    pack_table, pad_rows,
 )
 
 KEPT_8W = schemes.scheme("8w")  # what --qlinear-keep-8w keeps a linear at
@@ -85,7 +88,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("offset", offset)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.bits, self.out_features, self.in_features = bits, data.shape[0], data.shape[1] * 8 // bits
+        self.bits, self.out_features, self.in_features = bits, data.shape[0] * PANEL_ROWS, data.shape[1] // bits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = dequantize_blocks(self.data, self.scale, self.offset, self.bits, x.dtype)
@@ -112,14 +115,17 @@ class PackedEmbedding(nn.Module):
         return values
 
 
-def packed(codes: GroupCodes, blocks: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def packed(codes: GroupCodes, blocks: bool = False, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(words, scale, offset, lane bits) to store: 4-bit codes two a byte,
-    wider ones a byte each, in row lanes or (`blocks`) along K; scales and
-    offsets in fp32 (stored in fp16, a compiled product converted each one
-    scalar by scalar: 4 x slower)."""
+    wider ones a byte each, in row lanes or (`blocks`) in panels of 8 rows
+    along K. Row lanes keep scales and offsets in fp32 (in fp16, a compiled
+    product converted each one scalar by scalar: 4 x slower); blocks store
+    them in fp16 where that keeps them (narrow_tables; `exact`: a GGUF's own,
+    kept only if every value survives), read 8 at a time by the kernel."""
     bits = 4 if codes.bits <= 4 else 8
     if blocks:
-        return pack_blocks(codes.codes, bits), codes.scale.float().contiguous(), codes.offset.float().contiguous(), bits
+        scale, offset = narrow_tables(codes.scale, codes.offset, exact)
+        return pack_blocks(codes.codes, bits), pack_table(scale), pack_table(offset), bits
     return pack(codes.codes, bits), pad_rows(codes.scale.float(), bits), pad_rows(codes.offset.float(), bits), bits
 
 
@@ -129,6 +135,8 @@ def int8_refusal(codes: GroupCodes, shares: str | None) -> str | None:
         return f"shares the codes of {shares}, stored for lookups"
     if codes.group % BLOCK or codes.codes.shape[1] % BLOCK:
         return f"its groups of {codes.group} are not whole blocks of {BLOCK}"
+    if codes.codes.shape[0] % PANEL_ROWS:
+        return f"its {codes.codes.shape[0]} rows are not a multiple of {PANEL_ROWS}"
     return None
 
 
@@ -216,7 +224,7 @@ def quantize_model(
             row["shared_with"] = shares
         elif id(codes) not in packed_by:
             # packed now, the unpacked codes dropped: a model's codes and words are never held at once
-            words = packed(codes, blocks=row.get("activations") == "int8")
+            words = packed(codes, blocks=row.get("activations") == "int8", exact=qlinear == "gguf")
             codes = dataclasses.replace(codes, codes=torch.empty(0, dtype=torch.uint8))
             packed_by[id(codes)] = words
         done[fqn] = codes

@@ -184,29 +184,31 @@ def dynamic_int8_bits(isa: str | None = None) -> tuple[int, ...]:
 
 def int8_linear(x, data, scale, offset, bits: int, out=None, isa: str | None = None, products: str = ""):
     """x [M, K] (unit stride along K), its rows rounded to int8 per block of
-    32, times the weight of codes in blocks (data uint8 [N, K * bits / 8],
-    scale and offset fp32 [N, groups], passes/packed_weights.py) transposed,
-    on the int8_linear kernel (built for `isa`), into out [M, N] when given.
-    products: "" as compiled code runs it (VNNI where the CPU has it),
-    "maddubs" or "vnni" (see has_vnni) for that build alone."""
+    32, times the weight of codes in the blocks format (data uint8
+    [N / 8, K * bits], scale and offset [N / 8, groups * 8], both fp32 or both
+    fp16; passes/packed_weights.py) transposed, on the int8_linear kernel
+    (built for `isa`), into out [M, N] when given. products: "" as compiled
+    code runs it (VNNI where the CPU has it), "maddubs" or "vnni" (see
+    has_vnni) for that build alone."""
     import torch
 
-    (m, k), n = x.shape, data.shape[0]
-    groups = scale.shape[1] if scale.dim() == 2 else 0
+    (m, k), panels = x.shape, data.shape[0]
+    n, groups = panels * 8, (scale.shape[1] // 8 if scale.dim() == 2 else 0)
     out = x.new_empty(m, n) if out is None else out
-    if not (bits in (4, 8) and x.dtype == scale.dtype == offset.dtype == out.dtype == torch.float32
-            and data.dtype == torch.uint8 and data.dim() == 2 and data.shape[1] * 8 == k * bits and x.stride(1) == 1
+    if not (bits in (4, 8) and x.dtype == out.dtype == torch.float32
+            and scale.dtype == offset.dtype and scale.dtype in (torch.float32, torch.float16) and data.dtype == torch.uint8
+            and data.dim() == 2 and data.shape[1] == k * bits and x.stride(1) == 1
             and data.is_contiguous() and scale.is_contiguous() and offset.is_contiguous()
-            and tuple(scale.shape) == tuple(offset.shape) == (n, groups) and groups and k % (32 * groups) == 0
+            and tuple(scale.shape) == tuple(offset.shape) == (panels, groups * 8) and groups and k % (32 * groups) == 0
             and out.is_contiguous() and tuple(out.shape) == (m, n)):
         raise ValueError("int8_linear takes fp32 x [M, K] with unit stride along K, contiguous uint8 data "
-                         "[N, K * bits / 8] of 4 or 8 bits, fp32 scale and offset [N, groups] with K a multiple of "
-                         "32 * groups, and out [M, N]")
+                         "[N / 8, K * bits] of 4 or 8 bits, scale and offset [N / 8, groups * 8] both fp32 or both "
+                         "fp16 with K a multiple of 32 * groups, and out [M, N]")
     if products not in ("", "maddubs", "vnni"):
         raise ValueError(f"int8_linear's products are maddubs or vnni, not {products!r}")
     kernel = f"{INT8_LINEAR.name}_{products}" if products else INT8_LINEAR.name
     shared_kernel(isa)[kernel](x.data_ptr(), x.stride(0), data.data_ptr(), scale.data_ptr(), offset.data_ptr(),
-                               out.data_ptr(), m, n, k, groups, bits)
+                               out.data_ptr(), m, n, k, groups, bits, scale.element_size() * 8)
     return out
 
 
@@ -312,7 +314,8 @@ def _commands(kind: str, isa: str | None, out: Path, objects: Path | None) -> li
     from torch._inductor.cpp_builder import get_cpp_compiler
 
     compiler = get_cpp_compiler()
-    flags = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", *_arch_flags(isa), f"-I{out}"]
+    # F16C (fp16 scales, vec.h's load_half): every AVX2 CPU has it, but inductor's AVX-512 flags leave it out
+    flags = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", *_arch_flags(isa), "-mf16c", f"-I{out}"]
     units = _units(isa)
     if kind == "objects":
         return [[compiler, *flags, *extra, "-c", str(source), "-o", str(out / f"{name}.o")] for source, extra, name in units]

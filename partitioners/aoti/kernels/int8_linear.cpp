@@ -1,7 +1,9 @@
 // Products of a few fp32 rows by a weight of 4- or 8-bit codes in blocks
-// (passes/packed_weights.py: codes along K, a float scale and offset per group)
-// with int8 activations (--qact int8), for AOTInductor packages on x86 CPUs
-// (build.py builds it; compiled methods call it through its shim in shims.cpp):
+// (passes/packed_weights.py: weight rows in panels of 8, each panel's codes
+// block by block, 4 codes of each of its 8 rows a vector; a float scale and
+// offset per group, fp32 or fp16) with int8 activations (--qact int8), for
+// AOTInductor packages on x86 CPUs (build.py builds it; compiled methods call
+// it through its shim in shims.cpp):
 //
 //   out[m, n] = sum_k xq[m, k] * (scale[n, g(k)] * code[n, k] + offset[n, g(k)])
 //
@@ -13,25 +15,20 @@
 // scaled once by the block's step times the group's scale; the offsets
 // multiply each row's sum of xq over a group, computed once a call.
 //
-// 4-bit codes are unpacked in registers (a mask and a shift of 16 bytes make
-// the block's 32 unsigned bytes). A thread walks its own band of weight rows.
+// 4-bit codes are unpacked in registers (a mask, and a shift and a mask, of
+// 32 bytes give two quads of the panel's 8 rows). A thread walks its own band
+// of panels.
 //
-// Two tilings. Over a few rows (fewer than PANEL_FROM_ROWS), a register tile
-// of MR rows by LT weight rows: each vector holds 8 lanes of one block's
-// products for one (row, weight row) pair, so every block ends in a convert,
-// a scale and an FMA per pair, and the lanes are summed at the end. 4-bit
-// codes go two blocks a vector: a weight row's 32 bytes of two blocks,
-// masked and shifted, are the low and the high codes of both, and the rows'
-// codes are laid out to match, so a pair of blocks takes one unpacking, one
-// convert, one scale and one FMA (a fifth less time than a block at a time,
-// hot in cache, 1 to 4 rows on AVX-512 with and without VNNI). Over more
-// rows (8 sessions, prefill slices) the rows go across the lanes instead: x's
-// codes are laid out in panels of 8 rows, each 4 codes of a row side by side
-// (32 bytes a column of 4 codes), and one dot product takes 4 codes of a weight
-// row broadcast to every lane against 4 codes of each of the panel's 8 rows.
-// Eight of them finish a block for 8 rows at once, exact in int32, and the
-// block's convert, scale and FMA serve all 8: about twice the products per
-// instruction of the first tiling, and of fp32 FMAs.
+// Weight rows go across the lanes: one dot product takes a vector of a
+// panel's codes (4 of each of its 8 rows) against 4 codes of a row
+// broadcast, and 8 of them finish a block for the panel's 8 weight rows at
+// once, so a block ends in one convert, one scale (8 scales, one load) and
+// one FMA for 8 weight rows, and the results are 8 outputs side by side. A
+// pass takes up to MR_MAX rows; over more (8 sessions, prefill slices) a
+// thread's panels go by in chunks that stay in L2 while every pass of rows
+// reads them. (Before this layout, a vector held one weight row's codes along
+// K, and every block took a convert, a scale and an FMA per weight row: the
+// arithmetic took twice as long in cache at one row, bench/packed_kernel.py.)
 //
 // This file compiles twice (build.py). Built plain, the products are
 // maddubs then madd (AVX2): 8-bit codes, unsigned, are flipped to code - 128
@@ -44,6 +41,7 @@
 
 #include <omp.h>
 
+#include <cstring>
 #include <vector>
 
 #include "kernels.h"
@@ -54,32 +52,26 @@ using namespace kv;
 namespace {
 
 constexpr int BLOCK = 32;
-constexpr int MR_MAX = REGISTERS == 32 ? 8 : 4;
-constexpr int LT = 4;  // weight rows per tile for one or two rows; half as many for more
-// how far ahead weight rows are fetched into L2: 8 rows made one-row products
-// of 8-bit codes 10-18% faster than 4 (a SmolLM2 step from memory, the VNNI
-// build, both distances in one binary, alternating); 4-bit ones moved within
-// the noise
-constexpr int64_t PREFETCH_ROWS = 8;
-constexpr int PANEL = 8;           // rows across the lanes of the panel tiling
-constexpr int64_t PANEL_FROM_ROWS = 8;  // the panel tiling from this many rows (bench/packed_kernel.py)
-constexpr int PT = REGISTERS == 32 ? 2 : 1;  // panels per register tile
-constexpr int PL = REGISTERS == 32 ? 4 : 2;  // weight rows per panel tile
-constexpr int64_t CHUNK_PANELS = 16;  // panels a thread takes per pass over its weight rows (kept in L2)
+constexpr int PANEL = 8;  // weight rows a panel of the format holds
+constexpr int MR_MAX = REGISTERS == 32 ? 7 : 4;  // rows a pass over the weight takes
+// how many panels ahead (8 weight rows each) codes are fetched into L2: 8 ran
+// a one-row product of 4-bit codes from memory 1.4 x faster than 4 or 16 (a
+// scratch A/B on a 131072 x 576 weight, the VNNI build)
+constexpr int64_t PREFETCH_PANELS = 8;
+// over more than MR_MAX rows, a thread's panels go by in chunks of this many
+// bytes, each read from memory once and from L2 by every pass of rows
+constexpr int64_t CHUNK_BYTES = 192 << 10;
 // the same fp32 constants as int8_rows' (a double rounded to float, as torch rounds a Python scalar)
 const float INV_127 = (float)(1.0 / 127.0);
 const float SMALLEST_TOP = (float)1e-30;
 
 typedef __m256i ivec;
 
-// x's rows as int8 codes [M, K], each block's step [M, K / 32] and each row's
-// sum of xq over each group [M, groups]. Laid out for 4-bit codes (paired),
-// each pair of blocks b, b + 1 holds codes 0-15 of both, then codes 16-31 of
-// both (what a weight row's 32 bytes of the pair give, masked and shifted),
-// and pair_steps holds the pair's steps as [step b x 4, step b + 1 x 4].
+// x's rows as int8 codes [M, K] in K order, each block's step [M, K / 32] and
+// each row's sum of step * codes over each group [M, groups]
 struct Rows {
   std::vector<int8_t> codes;
-  std::vector<float> steps, sums, pair_steps;
+  std::vector<float> steps, sums;
 };
 
 // block b of row p (32 floats at p): its codes as 32 bytes in K order, its
@@ -107,54 +99,18 @@ inline ivec block_codes(const float* p, float& step, int32_t& sum) {
                                      order);
 }
 
-Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups, bool paired) {
-  const int64_t blocks = K / BLOCK, per_group = blocks / groups, pairs = paired ? blocks / 2 : 0;
-  Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * groups, 0.0f),
-         std::vector<float>(M * pairs * LANES)};
-  for (int64_t m = 0; m < M; m++) {
-    ivec previous = _mm256_setzero_si256();
+Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups) {
+  const int64_t blocks = K / BLOCK, per_group = blocks / groups;
+  Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * groups, 0.0f)};
+#pragma omp parallel for if (M >= 32)
+  for (int64_t m = 0; m < M; m++)
     for (int64_t b = 0; b < blocks; b++) {
       float step;
       int32_t sum;
-      const ivec bytes = block_codes(x + m * ldx + b * BLOCK, step, sum);
-      int8_t* at = r.codes.data() + m * K + b * BLOCK;
-      if (b % 2 == 1 && b / 2 < pairs) {  // the pair's codes 0-15, then its codes 16-31
-        _mm256_storeu_si256((ivec*)(at - BLOCK), _mm256_permute2x128_si256(previous, bytes, 0x20));
-        _mm256_storeu_si256((ivec*)at, _mm256_permute2x128_si256(previous, bytes, 0x31));
-        _mm256_storeu_ps(r.pair_steps.data() + (m * pairs + b / 2) * LANES,
-                         _mm256_blend_ps(broadcast(r.steps[m * blocks + b - 1]), broadcast(step), 0xf0));
-      } else {
-        _mm256_storeu_si256((ivec*)at, bytes);
-      }
-      previous = bytes;
+      _mm256_storeu_si256((ivec*)(r.codes.data() + m * K + b * BLOCK), block_codes(x + m * ldx + b * BLOCK, step, sum));
       r.steps[m * blocks + b] = step;
       r.sums[m * groups + b / per_group] += step * (float)sum;
     }
-  }
-  return r;
-}
-
-// x's rows in panels of PANEL rows (the last one padded with zero rows):
-// codes [panels, blocks, 8 quads, PANEL rows, 4], steps [panels, blocks,
-// PANEL] and sums of step * codes [panels, groups, PANEL]
-Rows quantize_panels(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups) {
-  const int64_t blocks = K / BLOCK, per_group = blocks / groups, panels = (M + PANEL - 1) / PANEL;
-  Rows r{std::vector<int8_t>(panels * PANEL * K, 0), std::vector<float>(panels * blocks * PANEL, 0.0f),
-         std::vector<float>(panels * groups * PANEL, 0.0f)};
-#pragma omp parallel for if (M >= 4 * PANEL)
-  for (int64_t m = 0; m < M; m++) {
-    const int64_t p = m / PANEL, lane = m % PANEL;
-    for (int64_t b = 0; b < blocks; b++) {
-      float step;
-      int32_t sum;
-      alignas(32) int32_t quads[BLOCK / 4];
-      _mm256_store_si256((ivec*)quads, block_codes(x + m * ldx + b * BLOCK, step, sum));
-      int32_t* column = (int32_t*)(r.codes.data() + (p * blocks + b) * PANEL * BLOCK) + lane;
-      for (int q = 0; q < BLOCK / 4; q++) column[q * PANEL] = quads[q];
-      r.steps[(p * blocks + b) * PANEL + lane] = step;
-      r.sums[(p * groups + b / per_group) * PANEL + lane] += step * (float)sum;
-    }
-  }
   return r;
 }
 
@@ -166,336 +122,169 @@ constexpr bool VNNI = false;
 // what the products take an 8-bit code as: code - SHIFT (maddubs needs them signed)
 constexpr float SHIFT_8BIT = VNNI ? 0.0f : 128.0f;
 
+// 8 scales or offsets at p (8 weight rows of a panel, one group) as floats
+inline vec load8(const float* p) { return load(p); }
+inline vec load8(const uint16_t* p) { return load_half(p); }
+
 // each byte's low and high nibbles as bytes: 4-bit codes unpacked in registers
 inline void nibbles(ivec bytes, ivec& low, ivec& high) {
   low = _mm256_and_si256(bytes, _mm256_set1_epi8(15));
   high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(15));
 }
 
-// a block's 32 codes of weight row `row` as bytes in K order: unsigned, but
-// code - 128 for 8 bits on maddubs
-template <int BITS>
-inline ivec codes_of(const uint8_t* row, int64_t b) {
-  if constexpr (BITS == 4) {
-    // the 16 bytes in both halves (a load), the upper half shifted down a nibble, both masked
-    const ivec both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(row + b * (BLOCK / 2))));
-    return _mm256_and_si256(_mm256_blend_epi32(both, _mm256_srli_epi16(both, 4), 0xf0), _mm256_set1_epi8(15));
-  } else if constexpr (VNNI) {
-    return _mm256_loadu_si256((const ivec*)(row + b * BLOCK));
-  } else {
-    return _mm256_xor_si256(_mm256_loadu_si256((const ivec*)(row + b * BLOCK)), _mm256_set1_epi8((char)0x80));
-  }
-}
-
-// the 32 products of a block summed in 8 int32 lanes
-template <int BITS>
-inline vec dot(ivec w, ivec q) {
+// acc + each lane's 4 8-bit weight codes w (unsigned; code - 128 as signed
+// bytes on maddubs) times 4 codes x, exact
+inline ivec dot_quad8(ivec acc, ivec w, ivec x) {
 #ifdef KV_VNNI
-  return _mm256_cvtepi32_ps(dot_u8s8(_mm256_setzero_si256(), w, q));
-#else
-  const ivec ones = _mm256_set1_epi16(1);
-  ivec pairs;
-  if constexpr (BITS == 4)
-    pairs = _mm256_maddubs_epi16(w, q);  // unsigned codes by signed codes: at most 2 * 15 * 127 a pair
-  else
-    pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(q, w));  // |w| <= 128, |q| <= 127
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+  return dot_u8s8(acc, w, x);
+#else  // |w| <= 128, |x| <= 127: maddubs' pairs stay within int16
+  const ivec pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 #endif
 }
 
-// a pair of blocks' 64 products, 4-bit codes by int8 codes: lanes 0-3 sum
-// block b's, lanes 4-7 block b + 1's (low: codes 0-15 of both blocks, high:
-// codes 16-31 of both, the rows' codes in the same order)
-inline vec dot_pair(ivec low, ivec high, ivec q_low, ivec q_high) {
-#ifdef KV_VNNI
-  return _mm256_cvtepi32_ps(dot_u8s8(dot_u8s8(_mm256_setzero_si256(), low, q_low), high, q_high));
-#else
-  // each int16 sums 4 products of codes <= 15 and |q| <= 127: at most 7620, no saturation
-  const ivec sums = _mm256_add_epi16(_mm256_maddubs_epi16(low, q_low), _mm256_maddubs_epi16(high, q_high));
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(sums, _mm256_set1_epi16(1)));
-#endif
-}
-
-// acc plus the offset terms of a weight row (its offsets, and SHIFT_8BIT
-// times its scales for 8 bits) by a row's sums of xq per group, 8 groups a vector
-template <int BITS>
-inline vec fma_offsets(const float* offset, const float* scale, const float* sums, int64_t groups, vec acc) {
+// acc plus the offset terms of a panel's 8 weight rows (their offsets, and
+// SHIFT_8BIT times their scales for 8 bits) by a row's sums of xq per group
+template <int BITS, typename S>
+inline vec fma_offsets(const S* offset, const S* scale, const float* sums, int64_t groups, vec acc) {
   constexpr bool shifted = BITS == 8 && SHIFT_8BIT != 0.0f;
-  int64_t g = 0;
-  for (; g + LANES <= groups; g += LANES) {
-    const vec o = shifted ? fma(broadcast(SHIFT_8BIT), load(scale + g), load(offset + g)) : load(offset + g);
-    acc = fma(o, load(sums + g), acc);
-  }
-  if (g < groups) {
-    const int left = (int)(groups - g);
-    const vec o = shifted ? fma(broadcast(SHIFT_8BIT), load_first(scale + g, left), load_first(offset + g, left))
-                          : load_first(offset + g, left);
-    acc = fma(o, load_first(sums + g, left), acc);
+  for (int64_t g = 0; g < groups; g++) {
+    const vec o = shifted ? fma(broadcast(SHIFT_8BIT), load8(scale + g * PANEL), load8(offset + g * PANEL))
+                          : load8(offset + g * PANEL);
+    acc = fma(o, broadcast(sums[g]), acc);
   }
   return acc;
 }
 
-// rows m0..m0+MR by weight rows n0..n0+L (L <= LT); a weight with one group
-// a row (ONE_GROUP) is scaled once at the end
-template <int BITS, int MR, int L, bool ONE_GROUP>
-inline void tile(const Rows& rows, const uint8_t* data, const float* scale, const float* offset, int64_t m0,
-                 int64_t n0, int64_t K, int64_t groups, float* out, int64_t N) {
-  const int64_t blocks = K / BLOCK, per_group = blocks / groups, row_bytes = K * BITS / 8;
-  const int8_t* codes = rows.codes.data() + m0 * K;
+// ---- the row tiling: a panel's 8 weight rows across the lanes
+
+// rows m0..m0+MR by panels p0..p0+P (weight rows 8 p0 ..), into out; a weight
+// with one group a row (ONE_GROUP) is scaled once at the end
+template <int BITS, int MR, int P, bool ONE_GROUP, typename S>
+inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset, int64_t p0,
+                       int64_t K, int64_t groups, float* out, int64_t N) {
+  constexpr int64_t BLOCK_BYTES = PANEL * BLOCK * BITS / 8;  // a panel's codes of one block
+  const int64_t blocks = K / BLOCK, per_group = blocks / groups, panel_bytes = blocks * BLOCK_BYTES;
+  const int64_t table = groups * PANEL;  // a panel's scales (or offsets)
+  const int64_t line = 64 / (PANEL * (int64_t)sizeof(S));  // groups a cache line of a table holds
+  const uint8_t* panels = data + p0 * panel_bytes;
+  const S* scales = scale + p0 * table;
+  const int8_t* x_codes = rows.codes.data() + m0 * K;
   const float* steps = rows.steps.data() + m0 * blocks;
-  const uint8_t* weights = data + n0 * row_bytes;
-  const float* scales = scale + n0 * groups;
-  vec acc[MR][L], s[L];
-  clear(acc);
-  int64_t b = 0, g = 0, left = per_group;  // block b is in group g, which has `left` blocks from b on
-  if constexpr (BITS == 4) {  // two blocks at a time: half the unpacking, converts and scaling
-    const int64_t pairs = blocks / 2;
-    for (; b + 2 <= blocks; b += 2) {
-      ivec low[L], high[L];
-      vec ws[L];
-      const int64_t g0 = g;
-      if (--left == 0) g++, left = per_group;
-      const int64_t g1 = g;
-      if (--left == 0) g++, left = per_group;
-#pragma GCC unroll 8
-      for (int j = 0; j < L; j++) {
-        nibbles(_mm256_loadu_si256((const ivec*)(weights + j * row_bytes + b * (BLOCK / 2))), low[j], high[j]);
-        prefetch_l2(weights + (j + PREFETCH_ROWS) * row_bytes + b * (BLOCK / 2));
-        ws[j] = _mm256_blend_ps(broadcast(scales[j * groups + g0]), broadcast(scales[j * groups + g1]), 0xf0);
-      }
-#pragma GCC unroll 8
-      for (int i = 0; i < MR; i++) {
-        const ivec q_low = _mm256_loadu_si256((const ivec*)(codes + i * K + b * BLOCK));
-        const ivec q_high = _mm256_loadu_si256((const ivec*)(codes + i * K + b * BLOCK + BLOCK));
-        const vec steps = load(rows.pair_steps.data() + ((m0 + i) * pairs + b / 2) * LANES);
-#pragma GCC unroll 8
-        for (int j = 0; j < L; j++) acc[i][j] = fma(dot_pair(low[j], high[j], q_low, q_high), mul(steps, ws[j]), acc[i][j]);
-      }
-    }
-  }
-  if (b < blocks)  // the blocks left one at a time (all of them for 8 bits)
-#pragma GCC unroll 8
-    for (int j = 0; j < L; j++) s[j] = broadcast(scales[j * groups + g]);
-  for (; b < blocks; b++) {
-    ivec w[L];
-#pragma GCC unroll 8
-    for (int j = 0; j < L; j++) {
-      w[j] = codes_of<BITS>(weights + j * row_bytes, b);
-      prefetch_l2(weights + (j + PREFETCH_ROWS) * row_bytes + b * (BLOCK * BITS / 8));
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) {
-      const ivec q = _mm256_loadu_si256((const ivec*)(codes + i * K + b * BLOCK));
-      const vec step = broadcast(steps[i * blocks + b]);
-#pragma GCC unroll 8
-      for (int j = 0; j < L; j++) acc[i][j] = fma(dot<BITS>(w[j], q), ONE_GROUP ? step : mul(step, s[j]), acc[i][j]);
-    }
-    if (--left == 0 && ++g < groups) {  // the next group's scales
-      left = per_group;
-#pragma GCC unroll 8
-      for (int j = 0; j < L; j++) s[j] = broadcast(scales[j * groups + g]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int j = 0; j < L; j++) {
-    const int64_t n = n0 + j;
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; i++)
-      out[(m0 + i) * N + n] = total(fma_offsets<BITS>(offset + n * groups, scale + n * groups,
-                                                     rows.sums.data() + (m0 + i) * groups, groups,
-                                                     ONE_GROUP ? mul(acc[i][j], s[j]) : acc[i][j]));
-  }
-}
-
-template <int BITS, int MR, int L>
-void rows_of(int rows, const Rows& r, const uint8_t* data, const float* scale, const float* offset, int64_t m0,
-             int64_t n0, int64_t K, int64_t groups, float* out, int64_t N) {
-  if constexpr (MR > 1) {
-    if (rows < MR) return rows_of<BITS, MR - 1, L>(rows, r, data, scale, offset, m0, n0, K, groups, out, N);
-  }
-  if constexpr (BITS == 8) {  // 8w's scale per row
-    if (groups == 1) return tile<BITS, MR, L, true>(r, data, scale, offset, m0, n0, K, groups, out, N);
-  }
-  tile<BITS, MR, L, false>(r, data, scale, offset, m0, n0, K, groups, out, N);
-}
-
-// weight rows n0..n0+L by every row
-template <int BITS, int L>
-void columns(const Rows& r, const uint8_t* data, const float* scale, const float* offset, int64_t M, int64_t n0,
-             int64_t K, int64_t groups, float* out, int64_t N) {
-  for (int64_t m = 0; m < M; m += MR_MAX) {
-    const int count = (int)(M - m < MR_MAX ? M - m : MR_MAX);
-    rows_of<BITS, MR_MAX, L>(count, r, data, scale, offset, m, n0, K, groups, out, N);
-  }
-}
-
-// ---- the panel tiling: 8 rows across the lanes
-
-// acc + 4 unsigned weight codes (the same in every lane) times 4 codes of each
-// lane's row, summed per lane, exact
-inline ivec dot4(ivec acc, ivec w, ivec x) {
-#ifdef KV_VNNI
-  return dot_u8s8(acc, w, x);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
-#endif
-}
-
-// a weight row's codes of one block, ready to broadcast 4 at a time: 4 bits
-// unpacked in registers (low nibbles: codes 0-15, high: 16-31, in both halves)
-template <int BITS>
-struct BlockCodes {
-  ivec low, high;
-  const uint8_t* bytes;
-  inline void read(const uint8_t* row, int64_t b) {
-    if constexpr (BITS == 4) {
-      const ivec both = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(row + b * (BLOCK / 2))));
-      nibbles(both, low, high);
-    } else {
-      bytes = row + b * BLOCK;
-    }
-  }
-  // codes 4Q..4Q+3 in every lane
-  template <int Q>
-  inline ivec quad() const {
-    if constexpr (BITS == 4) {
-      return _mm256_shuffle_epi32(Q < 4 ? low : high, (Q % 4) * 0x55);
-    } else {
-      int32_t four;
-      __builtin_memcpy(&four, bytes + 4 * Q, 4);
-      return _mm256_set1_epi32(four);
-    }
-  }
-};
-
-// one block's dot products of T panels (codes at `codes`, panel_bytes apart)
-// by L weight rows, quad Q onwards, summed into dots
-template <int BITS, int T, int L, int Q = 0>
-inline void quads(const BlockCodes<BITS> (&w)[L], const int8_t* codes, int64_t panel_bytes, ivec (&dots)[T][L]) {
-  if constexpr (Q < BLOCK / 4) {
-    ivec xs[T];
-#pragma GCC unroll 4
-    for (int t = 0; t < T; t++) xs[t] = _mm256_loadu_si256((const ivec*)(codes + t * panel_bytes + Q * 32));
-#pragma GCC unroll 8
-    for (int j = 0; j < L; j++) {
-      const ivec wq = w[j].template quad<Q>();
-#pragma GCC unroll 4
-      for (int t = 0; t < T; t++) dots[t][j] = dot4(dots[t][j], wq, xs[t]);
-    }
-    quads<BITS, T, L, Q + 1>(w, codes, panel_bytes, dots);
-  }
-}
-
-// panels p0..p0+T by weight rows n0..n0+L into out; a weight with one group
-// a row (ONE_GROUP) is scaled once at the end
-template <int BITS, int T, int L, bool ONE_GROUP>
-inline void panel_tile(const Rows& r, const uint8_t* data, const float* scale, const float* offset, int64_t p0,
-                       int64_t n0, int64_t M, int64_t K, int64_t groups, bool prefetch, float* out, int64_t N) {
-  static_assert(BITS == 4 || VNNI, "8-bit codes take the panel tiling only with VNNI");
-  const int64_t blocks = K / BLOCK, per_group = blocks / groups, row_bytes = K * BITS / 8;
-  const int64_t panel_bytes = blocks * PANEL * BLOCK;
-  const uint8_t* weights = data + n0 * row_bytes;
-  vec acc[T][L];
+  const float* sums = rows.sums.data() + m0 * groups;
+  vec acc[MR][P];
   clear(acc);
   for (int64_t b = 0; b < blocks; b++) {
-    BlockCodes<BITS> w[L];
-#pragma GCC unroll 8
-    for (int j = 0; j < L; j++) {
-      w[j].read(weights + j * row_bytes, b);
-      if (prefetch) prefetch_l2(weights + (j + PREFETCH_ROWS) * row_bytes + b * (BLOCK * BITS / 8));
-    }
-    ivec dots[T][L];
+    const uint8_t* codes = panels + b * BLOCK_BYTES;
 #pragma GCC unroll 4
-    for (int t = 0; t < T; t++)
-#pragma GCC unroll 8
-      for (int j = 0; j < L; j++) dots[t][j] = _mm256_setzero_si256();
-    quads<BITS, T, L>(w, r.codes.data() + (p0 * blocks + b) * PANEL * BLOCK, panel_bytes, dots);
+    for (int t = 0; t < P; t++)
+      for (int64_t at = 0; at < BLOCK_BYTES; at += 64) prefetch_l2(codes + (t + PREFETCH_PANELS) * panel_bytes + at);
     const int64_t g = b / per_group;
+    if (b % per_group == 0 && g % line == 0)
 #pragma GCC unroll 4
-    for (int t = 0; t < T; t++) {
-      const vec steps = load(r.steps.data() + ((p0 + t) * blocks + b) * PANEL);
-#pragma GCC unroll 8
-      for (int j = 0; j < L; j++) {
-        const vec s = ONE_GROUP ? steps : mul(steps, broadcast(scale[(n0 + j) * groups + g]));
-        acc[t][j] = fma(_mm256_cvtepi32_ps(dots[t][j]), s, acc[t][j]);
+      for (int t = 0; t < P; t++) {
+        prefetch_l2(scales + (t + PREFETCH_PANELS) * table + g * PANEL);
+        prefetch_l2(offset + (p0 + t + PREFETCH_PANELS) * table + g * PANEL);
       }
-    }
-  }
-  alignas(32) float lanes[PANEL];
-  for (int j = 0; j < L; j++) {
-    const int64_t n = n0 + j;
-    for (int t = 0; t < T; t++) {
-      vec total = ONE_GROUP ? mul(acc[t][j], broadcast(scale[n * groups])) : acc[t][j];
-      for (int64_t g = 0; g < groups; g++)
-        total = fma(broadcast(offset[n * groups + g]), load(r.sums.data() + ((p0 + t) * groups + g) * PANEL), total);
-      store(lanes, total);
-      const int64_t m0 = (p0 + t) * PANEL;
-      for (int i = 0; i < PANEL && m0 + i < M; i++) out[(m0 + i) * N + n] = lanes[i];
-    }
-  }
-}
-
-// panels c0..c1 by weight rows n0..n0+L
-template <int BITS, int L, bool ONE_GROUP>
-void panel_column(const Rows& r, const uint8_t* data, const float* scale, const float* offset, int64_t c0, int64_t c1,
-                  int64_t n0, int64_t M, int64_t K, int64_t groups, float* out, int64_t N) {
-  int64_t p = c0;
-  for (; p + PT <= c1; p += PT)
-    panel_tile<BITS, PT, L, ONE_GROUP>(r, data, scale, offset, p, n0, M, K, groups, p == c0, out, N);
-  for (; p < c1; p++) panel_tile<BITS, 1, L, ONE_GROUP>(r, data, scale, offset, p, n0, M, K, groups, p == c0, out, N);
-}
-
-template <int BITS, bool ONE_GROUP>
-void product_panels(const float* x, int64_t ldx, const uint8_t* data, const float* scale, const float* offset,
-                    float* out, int64_t M, int64_t N, int64_t K, int64_t groups) {
-  const Rows r = quantize_panels(x, ldx, M, K, groups);
-  const int64_t panels = (M + PANEL - 1) / PANEL, bands = (N + PL - 1) / PL;
-#pragma omp parallel
-  {
-    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-    const int64_t first = bands * me / threads, last = bands * (me + 1) / threads;
-    // a chunk of panels stays in L2 while the thread's weight rows pass by it
-    for (int64_t c0 = 0; c0 < panels; c0 += CHUNK_PANELS) {
-      const int64_t c1 = c0 + CHUNK_PANELS < panels ? c0 + CHUNK_PANELS : panels;
-      for (int64_t t = first; t < last; t++) {
-        const int64_t n0 = t * PL;
-        if (n0 + PL <= N) {
-          panel_column<BITS, PL, ONE_GROUP>(r, data, scale, offset, c0, c1, n0, M, K, groups, out, N);
+    ivec dots[MR][P];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+      for (int t = 0; t < P; t++) dots[i][t] = _mm256_setzero_si256();
+    // quad q: codes 4q..4q+3 of the block (4 bits: and 16 + 4q .., the high nibbles)
+#pragma GCC unroll 8
+    for (int q = 0; q < BITS; q++) {  // a block is BITS vectors of a panel
+      ivec x[MR], xh[MR];
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; i++) {
+        int32_t four;
+        std::memcpy(&four, x_codes + i * K + b * BLOCK + 4 * q, 4);
+        x[i] = _mm256_set1_epi32(four);
+        if constexpr (BITS == 4) {
+          std::memcpy(&four, x_codes + i * K + b * BLOCK + 16 + 4 * q, 4);
+          xh[i] = _mm256_set1_epi32(four);
+        }
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < P; t++) {
+        const ivec w = _mm256_loadu_si256((const ivec*)(codes + t * panel_bytes + q * 32));
+        if constexpr (BITS == 4) {
+          ivec low, high;
+          nibbles(w, low, high);
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; i++) {
+#ifdef KV_VNNI
+            dots[i][t] = dot_u8s8(dot_u8s8(dots[i][t], low, x[i]), high, xh[i]);
+#else
+            // each int16 sums 4 products of codes <= 15 and |x| <= 127: at most 7620, no saturation
+            const ivec pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, x[i]), _mm256_maddubs_epi16(high, xh[i]));
+            dots[i][t] = _mm256_add_epi32(dots[i][t], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+          }
         } else {
-          for (int64_t n = n0; n < N; n++)
-            panel_column<BITS, 1, ONE_GROUP>(r, data, scale, offset, c0, c1, n, M, K, groups, out, N);
+          const ivec codes8 = VNNI ? w : _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; i++) dots[i][t] = dot_quad8(dots[i][t], codes8, x[i]);
         }
       }
     }
+#pragma GCC unroll 4
+    for (int t = 0; t < P; t++) {
+      const vec s = ONE_GROUP ? zero() : load8(scales + t * table + g * PANEL);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; i++) {
+        const vec step = broadcast(steps[i * blocks + b]);
+        acc[i][t] = fma(_mm256_cvtepi32_ps(dots[i][t]), ONE_GROUP ? step : mul(step, s), acc[i][t]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < P; t++) {
+    const S* panel_scales = scales + t * table;
+    const S* panel_offsets = offset + (p0 + t) * table;
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) {
+      const vec scaled = ONE_GROUP ? mul(acc[i][t], load8(panel_scales)) : acc[i][t];
+      store(out + (m0 + i) * N + (p0 + t) * PANEL, fma_offsets<BITS>(panel_offsets, panel_scales, sums + i * groups, groups, scaled));
+    }
   }
 }
 
-// ---- the row tiling
-
-template <int BITS>
-void product(const float* x, int64_t ldx, const uint8_t* data, const float* scale, const float* offset, float* out,
-             int64_t M, int64_t N, int64_t K, int64_t groups) {
-  if constexpr (BITS == 4 || VNNI) {
-    if (M >= PANEL_FROM_ROWS)
-      return groups == 1 ? product_panels<BITS, true>(x, ldx, data, scale, offset, out, M, N, K, groups)
-                         : product_panels<BITS, false>(x, ldx, data, scale, offset, out, M, N, K, groups);
+// rows m0..m0+MR (MR = rows, up to MR_MAX) by panels p0..p1, P at a time
+template <int BITS, int MR, typename S>
+void rows_by_panels(int rows, const Rows& r, int64_t m0, const uint8_t* data, const S* scale, const S* offset,
+                    int64_t p0, int64_t p1, int64_t K, int64_t groups, float* out, int64_t N) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return rows_by_panels<BITS, MR - 1>(rows, r, m0, data, scale, offset, p0, p1, K, groups, out, N);
   }
-  const Rows rows = quantize(x, ldx, M, K, groups, BITS == 4);
-  const int64_t bands = (N + LT - 1) / LT;
+  constexpr int P = REGISTERS == 32 ? (MR == 1 ? 4 : MR == 2 ? 2 : 1) : (MR == 1 ? 2 : 1);
+  const bool one_group = BITS == 8 && groups == 1;  // 8w's scale per row
+  int64_t p = p0;
+  for (; p + P <= p1; p += P)
+    one_group ? panel_rows<BITS, MR, P, true>(r, m0, data, scale, offset, p, K, groups, out, N)
+              : panel_rows<BITS, MR, P, false>(r, m0, data, scale, offset, p, K, groups, out, N);
+  for (; p < p1; p++)
+    one_group ? panel_rows<BITS, MR, 1, true>(r, m0, data, scale, offset, p, K, groups, out, N)
+              : panel_rows<BITS, MR, 1, false>(r, m0, data, scale, offset, p, K, groups, out, N);
+}
+
+// ---- the entry
+
+template <int BITS, typename S>
+void product(const float* x, int64_t ldx, const uint8_t* data, const S* scale, const S* offset, float* out,
+             int64_t M, int64_t N, int64_t K, int64_t groups) {
+  const Rows rows = quantize(x, ldx, M, K, groups);
+  const int64_t panels = N / PANEL, panel_bytes = K * BITS;
+  const int64_t chunk = M <= MR_MAX ? panels : (CHUNK_BYTES / panel_bytes > 0 ? CHUNK_BYTES / panel_bytes : 1);
 #pragma omp parallel
   {
     const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
-    const int64_t first = bands * me / threads, last = bands * (me + 1) / threads;
-    for (int64_t t = first; t < last; t++) {
-      const int64_t n0 = t * LT;
-      if (n0 + LT > N) {  // the last few weight rows, one at a time
-        for (int64_t n = n0; n < N; n++) columns<BITS, 1>(rows, data, scale, offset, M, n, K, groups, out, N);
-      } else if (M <= 2) {  // one or two rows: all LT weight rows at once, for more independent sums
-        rows_of<BITS, 2, LT>((int)M, rows, data, scale, offset, 0, n0, K, groups, out, N);
-      } else {
-        for (int64_t n = n0; n < n0 + LT; n += LT / 2)
-          columns<BITS, LT / 2>(rows, data, scale, offset, M, n, K, groups, out, N);
-      }
+    const int64_t first = panels * me / threads, last = panels * (me + 1) / threads;
+    for (int64_t c0 = first; c0 < last; c0 += chunk) {
+      const int64_t c1 = c0 + chunk < last ? c0 + chunk : last;
+      for (int64_t m = 0; m < M; m += MR_MAX)
+        rows_by_panels<BITS, MR_MAX>((int)(M - m < MR_MAX ? M - m : MR_MAX), rows, m, data, scale, offset, c0, c1, K,
+                                     groups, out, N);
     }
   }
 }
@@ -503,26 +292,33 @@ void product(const float* x, int64_t ldx, const uint8_t* data, const float* scal
 }  // namespace
 
 // x: [M, K] fp32 (row stride ldx), K a multiple of 32; data: uint8 codes in
-// blocks, [N, K * bits / 8] contiguous; scale, offset: fp32 [N, groups]
-// contiguous, K / groups a multiple of 32; out: [M, N] contiguous
+// the blocks format, [N / 8, K * bits] contiguous; scale, offset: [N / 8,
+// groups * 8] contiguous, fp32 (scale_bits 32) or fp16 (16), K / groups a
+// multiple of 32; out: [M, N] contiguous; N a multiple of 8
 #ifdef KV_VNNI
 void kvexport_int8_linear_vnni(
 #else
 void kvexport_int8_linear_maddubs(
 #endif
-    const float* x, int64_t ldx, const uint8_t* data, const float* scale, const float* offset, float* out, int64_t M,
-    int64_t N, int64_t K, int64_t groups, int64_t bits) {
-  if (bits == 4)
-    product<4>(x, ldx, data, scale, offset, out, M, N, K, groups);
+    const float* x, int64_t ldx, const uint8_t* data, const void* scale, const void* offset, float* out, int64_t M,
+    int64_t N, int64_t K, int64_t groups, int64_t bits, int64_t scale_bits) {
+  const bool half = scale_bits == 16;
+  if (bits == 4 && half)
+    product<4>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
+  else if (bits == 4)
+    product<4>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
+  else if (half)
+    product<8>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
   else
-    product<8>(x, ldx, data, scale, offset, out, M, N, K, groups);
+    product<8>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
 }
 
 #ifndef KV_VNNI
-void kvexport_int8_linear(const float* x, int64_t ldx, const uint8_t* data, const float* scale, const float* offset,
-                          float* out, int64_t M, int64_t N, int64_t K, int64_t groups, int64_t bits) {
+void kvexport_int8_linear(const float* x, int64_t ldx, const uint8_t* data, const void* scale, const void* offset,
+                          float* out, int64_t M, int64_t N, int64_t K, int64_t groups, int64_t bits,
+                          int64_t scale_bits) {
   static const bool vnni = has_vnni();
   (vnni ? kvexport_int8_linear_vnni : kvexport_int8_linear_maddubs)(x, ldx, data, scale, offset, out, M, N, K, groups,
-                                                                   bits);
+                                                                   bits, scale_bits);
 }
 #endif

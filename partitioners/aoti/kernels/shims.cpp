@@ -339,18 +339,21 @@ const char* int8_problem(const Operand& x, const Operand& data, const Operand& s
   if (bits != 4 && bits != 8) return "bits must be 4 or 8";
   if (x.dims != 2 || data.dims != 2 || scale.dims != 2 || offset.dims != 2)
     return "x, data, scale and offset must be 2-d";
-  if (x.dtype != aoti_torch_dtype_float32() || scale.dtype != aoti_torch_dtype_float32() ||
-      offset.dtype != aoti_torch_dtype_float32() || data.dtype != aoti_torch_dtype_uint8())
-    return "x, scale and offset must be float32 and data uint8";
-  const int64_t M = x.sizes[0], K = x.sizes[1], N = data.sizes[0], groups = scale.sizes[1];
+  if (x.dtype != aoti_torch_dtype_float32() || data.dtype != aoti_torch_dtype_uint8())
+    return "x must be float32 and data uint8";
+  if (scale.dtype != offset.dtype ||
+      (scale.dtype != aoti_torch_dtype_float32() && scale.dtype != aoti_torch_dtype_float16()))
+    return "scale and offset must both be float32 or both float16";
+  // the blocks format: weight rows in panels of 8 (data [N / 8, K * bits], tables [N / 8, groups * 8])
+  const int64_t M = x.sizes[0], K = x.sizes[1], panels = data.sizes[0], groups = scale.sizes[1] / 8;
   if (K % 32) return "K must be a multiple of 32";
-  if (data.sizes[1] * 8 != K * bits) return "x is [M, K] and data must be [N, K * bits / 8]";
-  if (scale.sizes[0] != N || offset.sizes[0] != N || offset.sizes[1] != groups)
-    return "scale and offset must be [N, groups]";
+  if (data.sizes[1] != K * bits) return "x is [M, K] and data must be [N / 8, K * bits]";
+  if (scale.sizes[0] != panels || offset.sizes[0] != panels || scale.sizes[1] % 8 || offset.sizes[1] != scale.sizes[1])
+    return "scale and offset must be [N / 8, groups * 8]";
   if (groups < 1 || K % (32 * groups)) return "K must be a multiple of 32 * groups";
   if (x.strides[1] != 1 || (M > 1 && x.strides[0] < K)) return "x needs unit stride along K, rows apart";
-  if (data.strides[1] != 1 || (N > 1 && data.strides[0] != data.sizes[1]) || scale.strides[1] != 1 ||
-      scale.strides[0] != groups || offset.strides[1] != 1 || offset.strides[0] != groups)
+  if (data.strides[1] != 1 || (panels > 1 && data.strides[0] != data.sizes[1]) || scale.strides[1] != 1 ||
+      scale.strides[0] != scale.sizes[1] || offset.strides[1] != 1 || offset.strides[0] != offset.sizes[1])
     return "data, scale and offset must be contiguous";
   return nullptr;
 }
@@ -364,14 +367,15 @@ extern "C" AOTITorchError aoti_torch_cpu_int8_linear(AtenTensorHandle x, AtenTen
   if (!read(x, a) || !read(data, d) || !read(scale, s) || !read(offset, o))
     return refuse("int8_linear", "a tensor handle could not be read");
   if (const char* why = int8_problem(a, d, s, o, bits)) return refuse("int8_linear", why);
-  const int64_t M = a.sizes[0], K = a.sizes[1], N = d.sizes[0];
+  const int64_t M = a.sizes[0], K = a.sizes[1], N = d.sizes[0] * 8;
   const int64_t size[2] = {M, N};
   AtenTensorHandle out;
   void* out_data;
   if (new_fp32(2, size, &out, &out_data)) return refuse("int8_linear", "the result could not be allocated");
   if (M > 0 && N > 0)
-    kvexport_int8_linear((const float*)a.data, M > 1 ? a.strides[0] : K, (const uint8_t*)d.data, (const float*)s.data,
-                         (const float*)o.data, (float*)out_data, M, N, K, s.sizes[1], bits);
+    kvexport_int8_linear((const float*)a.data, M > 1 ? a.strides[0] : K, (const uint8_t*)d.data, s.data, o.data,
+                         (float*)out_data, M, N, K, s.sizes[1] / 8, bits,
+                         s.dtype == aoti_torch_dtype_float16() ? 16 : 32);
   *ret0 = out;
   return AOTI_TORCH_SUCCESS;
 }

@@ -42,7 +42,8 @@ class Kernel:
 
 
 _CTYPES = {"const float*": ctypes.c_void_p, "float*": ctypes.c_void_p, "const bool*": ctypes.c_void_p,
-           "const int32_t*": ctypes.c_void_p, "const uint16_t*": ctypes.c_void_p, "const uint8_t*": ctypes.c_void_p, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
+           "const int32_t*": ctypes.c_void_p, "const uint16_t*": ctypes.c_void_p, "const uint8_t*": ctypes.c_void_p,
+           "const void*": ctypes.c_void_p, "int64_t": ctypes.c_int64, "float": ctypes.c_float}
 
 ROWS_LINEAR = Kernel(
     "rows_linear",
@@ -88,10 +89,10 @@ PACKED_LINEAR = Kernel(
 INT8_LINEAR = Kernel(
     "int8_linear",
     # x [M, K] (row stride ldx), its rows rounded to int8 per block of 32, @ the weight of codes in
-    # blocks [N, K].T -> out [M, N]: data uint8 [N, K * bits / 8] (passes/packed_weights.py),
-    # scale and offset fp32 [N, groups]; all contiguous
-    math=("const float* x", "int64_t ldx", "const uint8_t* data", "const float* scale", "const float* offset",
-          "float* out", "int64_t M", "int64_t N", "int64_t K", "int64_t groups", "int64_t bits"),
+    # blocks [N, K].T -> out [M, N]: data uint8 [N / 8, K * bits] (passes/packed_weights.py),
+    # scale and offset [N / 8, groups * 8], fp32 (scale_bits 32) or fp16 (16); all contiguous
+    math=("const float* x", "int64_t ldx", "const uint8_t* data", "const void* scale", "const void* offset",
+          "float* out", "int64_t M", "int64_t N", "int64_t K", "int64_t groups", "int64_t bits", "int64_t scale_bits"),
     shim=("AtenTensorHandle x", "AtenTensorHandle data", "AtenTensorHandle scale", "AtenTensorHandle offset",
           "int64_t bits"),
 )

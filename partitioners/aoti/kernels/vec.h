@@ -107,6 +107,9 @@ static inline vec load_first(const uint16_t* p, int n) {
   return load(part);
 }
 
+// 8 fp16 values at p as floats (F16C: every AVX2 CPU has it)
+static inline vec load_half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
 // VNNI, where a build has it (build.py compiles int8_linear.cpp a second
 // time with it): acc + the sums of 4 products of unsigned bytes u by signed
 // bytes s in each int32 lane (vpdpbusd), exact

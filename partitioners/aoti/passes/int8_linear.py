@@ -20,7 +20,7 @@ import torch.fx
 from kvexport.partitioners.aoti.passes.packed_linear import _source, _stored, _val, dequantized
 from kvexport.partitioners.aoti.passes.rows_linear import emit_rows_product
 from kvexport.passes.base import RewritePass, arguments, static_rows
-from kvexport.passes.packed_weights import BLOCK, INV_127, SMALLEST_TOP, _dequantize_blocks, _int8_rows
+from kvexport.passes.packed_weights import BLOCK, INV_127, PANEL_ROWS, SMALLEST_TOP, _dequantize_blocks, _int8_rows
 
 aten = torch.ops.aten
 
@@ -34,7 +34,7 @@ def int8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, offset
 
 @int8_linear.register_fake
 def _(x, data, scale, offset, bits):
-    return x.new_empty(x.shape[0], data.shape[0])
+    return x.new_empty(x.shape[0], data.shape[0] * PANEL_ROWS)
 
 
 INT8_LINEAR = torch.ops.kvexport.int8_linear.default
@@ -78,23 +78,45 @@ def int8_rows_of(node: object) -> torch.fx.Node | None:
     return x
 
 
-def _block_codes(node: object) -> tuple[torch.fx.Node, int] | None:
-    """(data, bits) when `node` holds the codes of a blocks-format weight:
-    the uint8 data itself (8 bits), or its low and high nibbles per block
-    concatenated along the block (4 bits)."""
-    if _stored(node, torch.uint8):
-        return node, 8
-    if not (_call(node, aten.cat.default, 2) and node.args[1] in (-1, 2) and len(node.args[0]) == 2):
+def _panel_order(node: object, dims: list[int], rank: int) -> torch.fx.Node | None:
+    """What `node` permutes when it is exactly permute(t, dims) of a `rank`-d t."""
+    if not (_call(node, aten.permute.default, 2) and list(node.args[1]) == dims):
         return None
-    low, high = node.args[0]
+    inner = node.args[0]
+    return inner if isinstance(_val(inner), torch.Tensor) and _val(inner).dim() == rank else None
+
+
+def _block_codes(node: object) -> tuple[torch.fx.Node, int] | None:
+    """(data, bits) when `node` holds the codes of a blocks-format weight
+    (passes/packed_weights.py, unpack_blocks): the uint8 data's quads
+    [panels, blocks, quads, 8, 4] permuted to rows, for 4 bits after the low
+    and the high nibbles of 4 quads are concatenated into 8."""
+    quads = _panel_order(node, [0, 3, 1, 2, 4], 5)
+    if quads is None or tuple(_val(quads).shape[-3:]) != (BLOCK // 4, PANEL_ROWS, 4):
+        return None
+    if _stored(_source(quads), torch.uint8):
+        return _source(quads), 8
+    if not (_call(quads, aten.cat.default, 2) and quads.args[1] in (2, -3) and len(quads.args[0]) == 2):
+        return None
+    low, high = quads.args[0]
     if not (_call(low, aten.bitwise_and.Scalar, 2) and low.args[1] == 15
             and _call(high, aten.bitwise_right_shift.Tensor_Scalar, 2) and high.args[1] == 4):
         return None
     pairs = low.args[0]
     data = _source(pairs)
-    if high.args[0] is not pairs or not _stored(data, torch.uint8) or tuple(_val(pairs).shape[-1:]) != (BLOCK // 2,):
+    if high.args[0] is not pairs or not _stored(data, torch.uint8) or tuple(_val(pairs).shape[-3:]) != (4, PANEL_ROWS, 4):
         return None
     return data, 4
+
+
+def _block_table(node: object) -> torch.fx.Node | None:
+    """The stored scale or offset (fp32 or fp16, [panels, groups * 8]) when
+    `node` is its table in row order (passes/packed_weights.py, unpack_table)."""
+    inner = _panel_order(node, [0, 2, 1], 3)
+    table = _source(inner) if inner is not None else None
+    if not (_stored(table, torch.float32) or _stored(table, torch.float16)):
+        return None
+    return table if tuple(_val(inner).shape[1:]) == (_val(table).shape[1] // PANEL_ROWS, PANEL_ROWS) else None
 
 
 def int8_product(linear: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, torch.fx.Node, int] | None:
@@ -102,13 +124,15 @@ def int8_product(linear: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, t
     by a blocks-format weight's dequantization; else None."""
     given = arguments(linear)
     x = int8_rows_of(given["input"])
-    found = dequantized(given["weight"], _block_codes)
+    found = dequantized(given["weight"], _block_codes, _block_table)
     if x is None or found is None:
         return None
     (data, bits), scale, offset, product = found
-    (n, width), (scale_rows, groups), k = _val(data).shape, _val(scale).shape, _val(x).shape[-1]
+    (panels, width), (scale_panels, columns), k = _val(data).shape, _val(scale).shape, _val(x).shape[-1]
+    groups, n = columns // PANEL_ROWS, panels * PANEL_ROWS
     w = _val(given["weight"])
-    if (width * 8 == k * bits and scale_rows == n and tuple(_val(offset).shape) == (n, groups)
+    if (width == k * bits and scale_panels == panels and columns % PANEL_ROWS == 0 and groups
+            and tuple(_val(offset).shape) == (panels, columns) and _val(offset).dtype == _val(scale).dtype
             and k % (BLOCK * groups) == 0 and tuple(_val(product).shape[-2:]) == (groups, k // groups)
             and w.dtype == torch.float32 and tuple(w.shape) == (n, k)):
         return x, data, scale, offset, bits

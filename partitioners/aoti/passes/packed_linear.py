@@ -102,20 +102,25 @@ def _codes(node: object) -> tuple[torch.fx.Node, int] | None:
     return None
 
 
-def dequantized(weight: object, codes_of) -> tuple[object, torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
+def _fp32_table(node: object) -> torch.fx.Node | None:
+    return node if _stored(node, torch.float32) else None
+
+
+def dequantized(weight: object, codes_of, table_of=_fp32_table) -> tuple[object, torch.fx.Node, torch.fx.Node, torch.fx.Node] | None:
     """(what `codes_of` found, scale, offset, the product) when `weight` is
     codes * scale + offset per group, the codes recognised by `codes_of`
-    (a node -> its stored form, or None) and scale and offset fp32 weights."""
+    and the scale and offset by `table_of` (each a node -> its stored form,
+    or None; by default fp32 weights as they are)."""
     total = _source(weight)
     if not (isinstance(total, torch.fx.Node) and total.target is aten.add.Tensor and len(total.args) == 2):
         return None
     for product, offset in (total.args, reversed(total.args)):
-        product, offset = _source(product), _source(offset)
-        if not (isinstance(product, torch.fx.Node) and product.target is aten.mul.Tensor and _stored(offset, torch.float32)):
+        product, offset = _source(product), table_of(_source(offset))
+        if not (isinstance(product, torch.fx.Node) and product.target is aten.mul.Tensor and offset is not None):
             continue
         for codes, scale in (product.args, reversed(product.args)):
-            codes, scale = codes_of(_source(codes)), _source(scale)
-            if codes is not None and _stored(scale, torch.float32):
+            codes, scale = codes_of(_source(codes)), table_of(_source(scale))
+            if codes is not None and scale is not None:
                 return codes, scale, offset, product
     return None
 
