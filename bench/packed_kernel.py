@@ -52,7 +52,8 @@ def random_codes(out_features: int, width: int, bits: int, group: int, g: torch.
     """Random codes [out, width] with a random scale and offset per group."""
     codes = torch.randint(0, 1 << bits, (out_features, width), generator=g, dtype=torch.uint8)
     groups = width // group
-    return codes, torch.rand(out_features, groups, generator=g), torch.randn(out_features, groups, generator=g)
+    # scales of at least 0.01, as a real weight's are: exports keep them in fp16 (narrow_tables)
+    return codes, torch.rand(out_features, groups, generator=g) + 0.01, torch.randn(out_features, groups, generator=g)
 
 
 def packed(out_features: int, width: int, bits: int, group: int, g: torch.Generator):
