@@ -24,11 +24,12 @@
 // broadcast, and 8 of them finish a block for the panel's 8 weight rows at
 // once, so a block ends in one convert, one scale (8 scales, one load) and
 // one FMA for 8 weight rows, and the results are 8 outputs side by side. A
-// pass takes up to MR_MAX rows; over more (8 sessions, prefill slices) a
-// thread's panels go by in chunks that stay in L2 while every pass of rows
-// reads them. (Before this layout, a vector held one weight row's codes along
-// K, and every block took a convert, a scale and an FMA per weight row: the
-// arithmetic took twice as long in cache at one row, bench/packed_kernel.py.)
+// pass takes up to MR_MAX rows (8 sessions: one pass); over more (prefill
+// slices: passes of even size) a thread's panels go by in chunks that stay
+// in L2 while every pass of rows reads them. (Before this layout, a vector
+// held one weight row's codes along K, and every block took a convert, a
+// scale and an FMA per weight row: the arithmetic took twice as long in
+// cache at one row, bench/packed_kernel.py.)
 //
 // This file compiles twice (build.py). Built plain, the products are
 // maddubs then madd (AVX2): 8-bit codes, unsigned, are flipped to code - 128
@@ -53,7 +54,7 @@ namespace {
 
 constexpr int BLOCK = 32;
 constexpr int PANEL = 8;  // weight rows a panel of the format holds
-constexpr int MR_MAX = REGISTERS == 32 ? 7 : 4;  // rows a pass over the weight takes
+constexpr int MR_MAX = REGISTERS == 32 ? 8 : 4;  // rows a pass over the weight takes at most
 // how many panels ahead (8 weight rows each) codes are fetched into L2: 8 ran
 // a one-row product of 4-bit codes from memory 1.4 x faster than 4 or 16 (a
 // scratch A/B on a 131072 x 576 weight, the VNNI build)
@@ -276,15 +277,16 @@ void product(const float* x, int64_t ldx, const uint8_t* data, const S* scale, c
   const Rows rows = quantize(x, ldx, M, K, groups);
   const int64_t panels = N / PANEL, panel_bytes = K * BITS;
   const int64_t chunk = M <= MR_MAX ? panels : (CHUNK_BYTES / panel_bytes > 0 ? CHUNK_BYTES / panel_bytes : 1);
+  const int64_t passes = (M + MR_MAX - 1) / MR_MAX, per_pass = (M + passes - 1) / passes;  // passes of even size
 #pragma omp parallel
   {
     const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
     const int64_t first = panels * me / threads, last = panels * (me + 1) / threads;
     for (int64_t c0 = first; c0 < last; c0 += chunk) {
       const int64_t c1 = c0 + chunk < last ? c0 + chunk : last;
-      for (int64_t m = 0; m < M; m += MR_MAX)
-        rows_by_panels<BITS, MR_MAX>((int)(M - m < MR_MAX ? M - m : MR_MAX), rows, m, data, scale, offset, c0, c1, K,
-                                     groups, out, N);
+      for (int64_t m = 0; m < M; m += per_pass)
+        rows_by_panels<BITS, MR_MAX>((int)(M - m < per_pass ? M - m : per_pass), rows, m, data, scale, offset, c0, c1,
+                                     K, groups, out, N);
     }
   }
 }
