@@ -191,6 +191,30 @@ def narrow_tables(scale: torch.Tensor, offset: torch.Tensor, exact: bool) -> tup
     return (half_scale, half_offset) if fits else (scale, offset)
 
 
+def dequantize_block_rows(data, scale, offset, bits: int, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows `index` (any shape) of a blocks-format weight, [*index.shape, K],
+    reading only their panels: the lookups of an embedding whose codes a tied
+    LM head multiplies with int8 activations. The index feeds only index ops
+    and integer arithmetic, as dequantize_rows'."""
+    flat = index.reshape(-1)
+    panel = torch.div(flat, PANEL_ROWS, rounding_mode="floor")
+    lane = torch.remainder(flat, PANEL_ROWS)
+    rows = torch.nn.functional.embedding(panel, data)  # [T, K * bits]: each row's panel
+    k = rows.shape[1] // bits
+    quads = rows.reshape(-1, k // BLOCK, BLOCK * bits // 32, PANEL_ROWS, 4)  # -1, not T: sizes stay literal ints
+    mine = torch.gather(quads, 3, lane.reshape(-1, 1, 1, 1, 1).expand(-1, k // BLOCK, BLOCK * bits // 32, 1, 4))
+    if bits == 4:
+        mine = torch.cat([torch.bitwise_and(mine, 15), torch.bitwise_right_shift(mine, 4)], 2)
+    codes = mine.reshape(-1, k)  # [T, blocks, 8 quads, 1, 4]: K order
+
+    def rows_of(table: torch.Tensor) -> torch.Tensor:
+        groups = table.shape[1] // PANEL_ROWS
+        grouped = torch.nn.functional.embedding(panel, table).reshape(-1, groups, PANEL_ROWS)
+        return torch.gather(grouped, 2, lane.reshape(-1, 1, 1).expand(-1, groups, 1)).reshape(-1, groups)
+
+    return _values(codes, rows_of(scale), rows_of(offset), dtype).reshape(*index.shape, k)
+
+
 def _dequantize_blocks(data, scale, offset, bits: int, dtype: torch.dtype) -> torch.Tensor:
     return _values(unpack_blocks(data, bits), unpack_table(scale), unpack_table(offset), dtype)
 

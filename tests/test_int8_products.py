@@ -81,12 +81,12 @@ def test_the_stored_rounding_calls_only_allowlisted_operators():
 
 
 class Model(nn.Module):
-    def __init__(self):
+    def __init__(self, vocab: int = 40):
         super().__init__()
-        self.embed = nn.Embedding(40, 64)
+        self.embed = nn.Embedding(vocab, 64)
         self.up = nn.Linear(64, 96, bias=True)
         self.odd = nn.Linear(96, 64, bias=False)
-        self.head = nn.Linear(64, 40, bias=False)
+        self.head = nn.Linear(64, vocab, bias=False)
         self.head.weight = self.embed.weight
 
     def forward(self, tokens):
@@ -97,10 +97,16 @@ def test_qact_int8_rounds_the_activations_of_the_linears_that_can_take_it():
     torch.manual_seed(0)
     model = Model().eval()
     up_weight, up_bias = model.up.weight.detach().clone(), model.up.bias.detach().clone()
+    embed_weight = model.embed.weight.detach().clone()
     rows = {r["module"]: r for r in quantize_model(model, "4w", 0, "8w", qact="int8")}
     assert isinstance(model.up, Int8Linear) and isinstance(model.odd, Int8Linear)
-    assert isinstance(model.head, PackedLinear)  # it shares the embedding's codes, stored for lookups
-    assert rows["up"]["activations"] == "int8" and rows["head"]["activations"].startswith("float (shares the codes")
+    # the tied head multiplies the embedding's codes, stored once in the blocks format, which lookups read too
+    assert isinstance(model.head, Int8Linear) and model.head.data is model.embed.words and model.embed.blocks
+    assert rows["up"]["activations"] == rows["head"]["activations"] == "int8" and rows["head"]["shared_with"] == "embed"
+    embed = quantize_weight(embed_weight, 8, 0)
+    embed = dataclasses.replace(embed, scale=embed.scale.half().float(), offset=embed.offset.half().float()).dequantize()
+    ids = torch.tensor([[0, 7, 8, 39], [13, 13, 1, 2]])
+    assert torch.equal(model.embed(ids), embed[ids])
     x = torch.randn(3, 64)
     codes = quantize_weight(up_weight, 4, 32)
     assert model.up.scale.dtype == model.up.offset.dtype == torch.float16  # fp16 holds these tables
@@ -111,6 +117,10 @@ def test_qact_int8_rounds_the_activations_of_the_linears_that_can_take_it():
     rows = {r["module"]: r for r in quantize_model(grouped, "8w", 16, "", qact="int8")}
     assert rows["up"]["activations"] == "float (its groups of 16 are not whole blocks of 32)"
     assert isinstance(grouped.up, PackedLinear)
+    odd_vocab = Model(vocab=36).eval()  # rows not a multiple of 8: the head keeps float activations, lookups row lanes
+    rows = {r["module"]: r for r in quantize_model(odd_vocab, "4w", 0, "8w", qact="int8")}
+    assert rows["head"]["activations"] == "float (shares the codes of embed, stored for lookups)"
+    assert isinstance(odd_vocab.head, PackedLinear) and not odd_vocab.embed.blocks
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -252,3 +262,46 @@ def test_a_portable_package_computes_the_eager_int8_arithmetic(tiny_package):
     want = [hf_greedy(eager, p, 16) for p in prompts]
     assert [generate(runtime, [p], 16)[0] for p in prompts] == want
     assert generate(runtime, prompts, 16) == want
+
+
+@pytest.fixture(scope="module")
+def tied_model_dir(tmp_path_factory):
+    """A tiny Llama with tied embeddings and a vocabulary of 1032 rows (a
+    multiple of 8: the head can take int8 activations), as a model directory."""
+    from transformers import AutoModelForCausalLM
+
+    from kvexport.exporter.sources.models import tiny_config
+
+    config = tiny_config("LlamaForCausalLM")
+    config.vocab_size = 1032
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    out = tmp_path_factory.mktemp("tied") / "tiny-tied-llama"
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["portable", pytest.param("aoti", marks=pytest.mark.compile)])
+def test_a_tied_head_multiplies_the_embeddings_codes_with_int8_activations(tmp_path, tied_model_dir, backend):
+    """With a vocabulary a multiple of 8, the tied LM head takes int8
+    activations: the embedding's codes are stored once, in the blocks format,
+    and its lookups read them there. The package verifies (its tokens alone
+    and batched are its eager reference's: export checks them) and on aoti
+    calls the int8 kernel for the head too, the packed kernel not at all."""
+    from helpers import PROGRESS
+    from kvexport.partitioners.aoti.kernels import build
+
+    if backend == "aoti" and not build.supported():
+        pytest.skip("kvexport's kernels need x86 with AVX2 or AVX-512")
+    out = tmp_path / "pkg"
+    export_tiny(str(tied_model_dir), out, backend=backend, qlinear="4w", qembedding="8w", qact="int8")
+    coverage = json.loads((out / "manifest.json").read_text())["quantization"]["coverage"]
+    head = next(r for r in coverage if r["module"] == "lm_head")
+    embed = next(r for r in coverage if r["module"] == "model.embed_tokens")
+    assert head["activations"] == "int8" and head["shared_with"] == "model.embed_tokens"
+    assert embed["stored"]["words"] == head["stored"]["data"]  # one stored copy
+    if backend == "aoti":
+        progress = "\n".join(PROGRESS[str(out)])
+        assert re.search(r"forward_1 compiled in [0-9.]+ s, calling kvexport's int8_linear x\d+", progress), progress
+        assert not re.search(r"forward_1 compiled .*packed_linear", progress), progress

@@ -44,8 +44,8 @@ from kvexport.contract.errors import SpecError
 from kvexport.exporter.memory import release_freed_memory
 from kvexport.exporter.quantization.gguf_codes import GroupCodes, read_gguf_codes
 from kvexport.passes.packed_weights import (
-    BLOCK, PANEL_ROWS, dequantize_blocks, dequantize_packed, dequantize_rows, int8_rows, narrow_tables, pack, pack_blocks,
-    pack_table, pad_rows,
+    BLOCK, PANEL_ROWS, dequantize_block_rows, dequantize_blocks, dequantize_packed, dequantize_rows, int8_rows,
+    narrow_tables, pack, pack_blocks, pack_table, pad_rows,
 )
 
 KEPT_8W = schemes.scheme("8w")  # what --qlinear-keep-8w keeps a linear at
@@ -97,19 +97,23 @@ class Int8Linear(nn.Module):
 
 class PackedEmbedding(nn.Module):
     """An embedding over packed codes: only the looked-up rows are unpacked.
-    Keeps a scaled embedding's `embed_scale` (Gemma's)."""
+    Codes in row lanes, or (`blocks`) in the blocks format, where a tied LM
+    head multiplies them with int8 activations. Keeps a scaled embedding's
+    `embed_scale` (Gemma's)."""
 
     def __init__(self, words: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-                 num_embeddings: int, dtype: torch.dtype, embed_scale: Any = None):
+                 num_embeddings: int, dtype: torch.dtype, embed_scale: Any = None, blocks: bool = False):
         super().__init__()
         self.register_buffer("words", words)
         self.register_buffer("scale", scale)
         self.register_buffer("offset", offset)
-        self.bits, self.num_embeddings, self.embedding_dim, self.dtype = bits, num_embeddings, words.shape[1], dtype
+        self.bits, self.num_embeddings, self.dtype, self.blocks = bits, num_embeddings, dtype, blocks
+        self.embedding_dim = words.shape[1] // bits if blocks else words.shape[1]
         self.embed_scale = embed_scale
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        values = dequantize_rows(self.words, self.scale, self.offset, self.bits, ids, self.dtype)
+        lookup = dequantize_block_rows if self.blocks else dequantize_rows
+        values = lookup(self.words, self.scale, self.offset, self.bits, ids, self.dtype)
         if self.embed_scale is not None:
             values = values * torch.as_tensor(self.embed_scale).to(self.dtype)
         return values
@@ -130,7 +134,9 @@ def packed(codes: GroupCodes, blocks: bool = False, exact: bool = False) -> tupl
 
 
 def int8_refusal(codes: GroupCodes, shares: str | None) -> str | None:
-    """Why a linear with these codes keeps float activations under --qact int8, or None."""
+    """Why a linear with these codes keeps float activations under --qact int8,
+    or None. `shares`: the embedding whose codes it shares, when they are
+    stored for lookups alone (row lanes)."""
     if shares:
         return f"shares the codes of {shares}, stored for lookups"
     if codes.group % BLOCK or codes.codes.shape[1] % BLOCK:
@@ -200,6 +206,7 @@ def quantize_model(
     sources = _gguf_sources(gguf, model) if qlinear == "gguf" else None
     sensitive = _sensitive(model, modules, keep_8w, group_size, algorithm, tokenizer, progress) if qlinear == "4w" else set()
     rows, done, packed_by = [], {}, {}
+    in_blocks: set[str] = set()  # embeddings stored in the blocks format, for their tied heads' int8 products
     for fqn, module in modules.items():
         kind = "linear" if isinstance(module, nn.Linear) else "embedding"
         row: dict[str, Any] = {"module": fqn, "kind": kind, "shape": list(module.weight.shape), "scheme": None, "skipped": None}
@@ -218,19 +225,21 @@ def quantize_model(
         row.update(scheme=f"{codes.bits}w" if qlinear != "gguf" else "gguf", bits=codes.bits,
                    granularity="per row" if codes.group == module.weight.shape[1] else f"per group of {codes.group}")
         if kind == "linear" and qact == "int8":
-            why_not = int8_refusal(codes, shares)
+            why_not = None if shares in in_blocks else int8_refusal(codes, shares)  # in_blocks: checked as the embedding
             row["activations"] = "int8" if why_not is None else f"float ({why_not})"
+        elif kind == "embedding" and qact == "int8" and shares == fqn and int8_refusal(codes, None) is None:
+            in_blocks.add(fqn)  # its tied head shares these codes and can multiply them with int8 activations
         if shares and shares in done and done[shares] is codes:
             row["shared_with"] = shares
         elif id(codes) not in packed_by:
             # packed now, the unpacked codes dropped: a model's codes and words are never held at once
-            words = packed(codes, blocks=row.get("activations") == "int8", exact=qlinear == "gguf")
+            words = packed(codes, blocks=row.get("activations") == "int8" or fqn in in_blocks, exact=qlinear == "gguf")
             codes = dataclasses.replace(codes, codes=torch.empty(0, dtype=torch.uint8))
             packed_by[id(codes)] = words
         done[fqn] = codes
         rows.append(row)
         release_freed_memory()
-    _install(model, modules, done, rows, packed_by)
+    _install(model, modules, done, rows, packed_by, in_blocks)
     return rows
 
 
@@ -265,7 +274,7 @@ def _matches(fqn: str, patterns: tuple[str, ...]) -> bool:
 
 
 def _install(model: nn.Module, modules: dict[str, nn.Module], done: dict[str, GroupCodes], rows: list[dict],
-             packed_by: dict[int, tuple]) -> None:
+             packed_by: dict[int, tuple], in_blocks: set[str]) -> None:
     """Swaps each quantized module for its packed form (`packed_by`, by the
     id of its codes); modules sharing one Codes share one set of stored
     tensors."""
@@ -281,7 +290,8 @@ def _install(model: nn.Module, modules: dict[str, nn.Module], done: dict[str, Gr
             else:
                 new = PackedLinear(words, scale, offset, bits, n, bias)
         else:
-            new = PackedEmbedding(words, scale, offset, bits, n, module.weight.dtype, getattr(module, "embed_scale", None))
+            new = PackedEmbedding(words, scale, offset, bits, n, module.weight.dtype, getattr(module, "embed_scale", None),
+                                  blocks=fqn in in_blocks)
         parent, _, name = fqn.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, name, new)
         by_module[fqn]["stored"] = {"data" if isinstance(new, Int8Linear) else "words": words, "scale": scale, "offset": offset}
