@@ -17,9 +17,11 @@ activations are rounded too, per row in blocks of 32 to int8 codes and a
 step (passes/packed_weights.py, int8_rows), and its codes are stored in
 blocks along K, in panels of 8 rows (Int8Linear): the arithmetic of integer
 dot products, which the eager reference, the portable backend and the aoti
-kernel all compute. A linear whose rows are not a multiple of 8, whose
-groups are not whole blocks, or that shares an embedding's codes, keeps
-float activations; the coverage report says which. The scale and offset of a group
+kernel all compute. A tied LM head that shares a quantized embedding's
+codes takes them too: the embedding stores them in that format, and its
+lookups read them there. A linear whose rows are not a multiple of 8 or
+whose groups are not whole blocks, or a head tied to such an embedding,
+keeps float activations; the coverage report says which. The scale and offset of a group
 come from its minimum and maximum (the offset is a float, like GGUF's Q4_1,
 so both ends of every group are exact) or from HQQ's search
 (`--qlinear-algorithm hqq`), stored in fp32 (fp16 under int8 activations
