@@ -147,13 +147,20 @@ def pack_blocks(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return quads.permute(0, 2, 3, 1, 4).reshape(n // PANEL_ROWS, -1).contiguous()
 
 
+def _code_quads(quads: torch.Tensor, bits: int) -> torch.Tensor:
+    """A panel's stored quads [..., blocks, bits, rows, 4] as codes' quads
+    [..., blocks, 8, rows, 4]: for 4 bits, the low nibbles' 4 quads, then the
+    high nibbles' (the compile pass matches exactly these ops)."""
+    if bits == 8:
+        return quads
+    return torch.cat([torch.bitwise_and(quads, 15), torch.bitwise_right_shift(quads, 4)], 2)
+
+
 def unpack_blocks(data: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [N, K]: the inverse of `pack_blocks`, in plain ATen."""
     panels, width = data.shape
     k = width // bits
-    quads = data.reshape(panels, k // BLOCK, BLOCK * bits // 32, PANEL_ROWS, 4)
-    if bits == 4:
-        quads = torch.cat([torch.bitwise_and(quads, 15), torch.bitwise_right_shift(quads, 4)], 2)
+    quads = _code_quads(data.reshape(panels, k // BLOCK, BLOCK * bits // 32, PANEL_ROWS, 4), bits)
     # contiguous, then a view: a reshape of the permuted codes would trace to _unsafe_view, off the allowlist
     return quads.permute(0, 3, 1, 2, 4).contiguous().view(panels * PANEL_ROWS, k)
 
@@ -171,7 +178,6 @@ def unpack_table(t: torch.Tensor) -> torch.Tensor:
 
 
 HALF_NORMAL = 2.0**-14  # fp16's smallest normal number
-HALF_MAX = 65504.0
 
 
 def narrow_tables(scale: torch.Tensor, offset: torch.Tensor, exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,9 +209,7 @@ def dequantize_block_rows(data, scale, offset, bits: int, index: torch.Tensor, d
     k = rows.shape[1] // bits
     quads = rows.reshape(-1, k // BLOCK, BLOCK * bits // 32, PANEL_ROWS, 4)  # -1, not T: sizes stay literal ints
     mine = torch.gather(quads, 3, lane.reshape(-1, 1, 1, 1, 1).expand(-1, k // BLOCK, BLOCK * bits // 32, 1, 4))
-    if bits == 4:
-        mine = torch.cat([torch.bitwise_and(mine, 15), torch.bitwise_right_shift(mine, 4)], 2)
-    codes = mine.reshape(-1, k)  # [T, blocks, 8 quads, 1, 4]: K order
+    codes = _code_quads(mine, bits).reshape(-1, k)  # [T, blocks, 8 quads, 1, 4]: K order
 
     def rows_of(table: torch.Tensor) -> torch.Tensor:
         groups = table.shape[1] // PANEL_ROWS
