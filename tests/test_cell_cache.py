@@ -69,3 +69,26 @@ def test_make_room_keeps_every_sequence_and_packs_the_steps_cells_low():
         own = int(((cache.owners & sum(1 << s for s in counts)) != 0).sum())
         assert cache.read_len(set(counts)) <= 1 + own + 16 + own // 16  # read: scratch, own cells, slack
     assert moved_total > 0
+
+
+def test_a_session_decoding_beside_an_idle_one_moves_cells_once_every_slack_steps():
+    """An idle session holds the lowest cells; one decoding a token a step
+    beside it moves cells now and then, into room it can grow into, not on
+    every step, and still reads no more than its own cells and the slack."""
+    cache = CellCache(CacheGeometry((1, 1), (2, 2), (0, 0)), max_cells=1024, dtype=torch.float32,
+                      max_context_len=512, initial_cells=8)
+    idle, busy = cache.new_sequence(), cache.new_sequence()
+    for seq, n in ((idle, 64), (busy, 32)):
+        cache.check_step({seq: n})
+        cache.make_room({seq}, n)
+        cache.place([seq] * n)
+    moves = 0
+    for _ in range(96):
+        cache.check_step({busy: 1})
+        before = contents(cache)
+        moves += cache.make_room({busy}, 1) > 0
+        assert contents(cache) == before
+        cache.place([busy])
+        own = cache.next_pos[busy]
+        assert cache.read_len({busy}) <= 1 + own + 16 + own // 16
+    assert 1 <= moves <= 96 // 16

@@ -225,6 +225,35 @@ def test_over_many_rows_masks_that_are_no_slice_go_to_sdpa(shims):
     torch.testing.assert_close(shims.call("masked_attention", query, key, value, mask, 0.3), want)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("rows,kv_heads", [(1, 3), (2, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_attention_splits_a_rows_cells_among_threads(isa, shims, threads, rows, kv_heads, dtype):
+    """One or two rows over many cells leave threads idle when each takes a
+    (row, kv head): the cells are split into runs, one a thread, and the runs'
+    partial softmaxes merged. A run may see no cell (the first row sees only
+    the last third), a row may see nothing (zeros); the result is the same
+    attention whatever the thread count."""
+    query, key, value, mask = (t.to(dtype) if t.dtype == torch.float32 else t
+                               for t in attention_operands(9, kv_heads, rows, 700, 64, seed=2))
+    mask[0, :470] = False
+    mask[1:] = False
+    want = torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
+                                                            scale=0.3, enable_gqa=True)
+    want[:, :, 1:] = 0.0  # sdpa's NaN for a row that sees nothing; the kernel gives zeros
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = shims.call("masked_attention", query, key, value, mask, 0.3)
+        if dtype == torch.float32:
+            torch.testing.assert_close(build.masked_attention(query, key, value, mask, 0.3, isa=isa), want,
+                                       rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(saved)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), **tolerance)
+
+
 def test_softmax_holds_for_large_and_distant_scores(isa):
     """The exp runs on max-subtracted scores: large ones do not overflow, and
     scores 100 apart give the far one no weight."""
