@@ -176,34 +176,36 @@ void attend_by_heads(const float* q, int64_t q_sh, int64_t q_st, const E* k, int
 }
 
 // Fewer tasks than threads can share (a row or two over many cells): each
-// row's cells split into `parts` runs, one task a run, so every thread reads
-// a contiguous part of the pools. A task scores its run for every head and
-// keeps each head's partial softmax (its largest score, its sum of e^(s -
-// largest) and the values weighted by them); the parts merge exactly after.
+// row's visible cells split into `parts` runs of as many, one task a run
+// (visible cells bunched at one end of the view, as a sliding window's are,
+// still split evenly). A task scores its run for every head and keeps each
+// head's partial softmax (its largest score, its sum of e^(s - largest) and
+// the values weighted by them); the runs merge exactly after.
 template <typename E>
 void attend_by_cells(const float* q, int64_t q_sh, int64_t q_st, const E* k, int64_t k_sh, int64_t k_sc, const E* v,
                      int64_t v_sh, int64_t v_sc, const bool* mask, int64_t m_st, int64_t m_sc, float* out, int64_t H,
                      int64_t Hkv, int64_t T, int64_t C, int64_t D, float scale, int64_t parts) {
   const int64_t group = H / Hkv;
+  std::vector<int64_t> cells(T * C), seen(T, 0);  // each row's visible cells, and how many
+  for (int64_t t = 0; t < T; t++)
+    for (int64_t c = 0; c < C; c++)
+      if (mask[t * m_st + c * m_sc]) cells[t * C + seen[t]++] = c;
   // per (row, part, head): the partial's largest score, its sum, its D weighted values
   std::vector<float> tops(T * parts * H, -INFINITY), sums(T * parts * H, 0.0f), partial(T * parts * H * D);
 #pragma omp parallel
   {
-    std::vector<int64_t> cells(C / parts + 1);
     std::vector<float> p(C / parts + 1 + LANES);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < T * parts; task++) {
       const int64_t t = task / parts, part = task % parts;
-      const int64_t c0 = C * part / parts, c1 = C * (part + 1) / parts;
-      int64_t n = 0;
-      for (int64_t c = c0; c < c1; c++)
-        if (mask[t * m_st + c * m_sc]) cells[n++] = c;
+      const int64_t j0 = seen[t] * part / parts, n = seen[t] * (part + 1) / parts - j0;
       if (n == 0) continue;
+      const int64_t* run = &cells[t * C + j0];
       for (int64_t h = 0; h < H; h++) {
         const int64_t kvh = h / group, at = task * H + h;
-        scores(q + h * q_sh + t * q_st, k + kvh * k_sh, k_sc, cells.data(), n, D, scale, p.data());
+        scores(q + h * q_sh + t * q_st, k + kvh * k_sh, k_sc, run, n, D, scale, p.data());
         sums[at] = exp_shifted(p.data(), n, tops[at]);
-        weighted_values(p.data(), cells.data(), n, v + kvh * v_sh, v_sc, D, 1.0f, &partial[at * D]);
+        weighted_values(p.data(), run, n, v + kvh * v_sh, v_sc, D, 1.0f, &partial[at * D]);
       }
     }
   }
