@@ -13,7 +13,7 @@
 // decode step of one session has fewer such tasks than the threads can share
 // evenly (SmolLM2: 3 on 2 threads, one thread doing two), so there the row's
 // cells are split among the threads instead and the partial softmaxes merged:
-// 1.3-1.4 x faster over 512-1024 cells, the same over 96 (a scratch A/B of
+// 1.25-1.4 x faster over 512-1024 cells, the same over 96 (a scratch A/B of
 // the two kernels over 30 layers' pools evicted between calls).
 //
 // Semantics are sdpa's with a boolean mask and GQA: out[h, t] =
