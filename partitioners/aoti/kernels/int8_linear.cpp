@@ -259,8 +259,8 @@ void rows_by_panels(int rows, const Rows& r, int64_t m0, const uint8_t* data, co
     if (rows < MR) return rows_by_panels<BITS, MR - 1>(rows, r, m0, data, scale, offset, p0, p1, K, groups, out, N);
   }
   // one row takes one panel at a time: a single stream through memory. Taking 4 (2 on AVX2) shared the
-  // row's broadcasts but ran every linear of a SmolLM2 step from memory 2-8% slower at best (a scratch A/B,
-  // both builds; in cache it was 8% faster, but a model's weights come from memory)
+  // row's broadcasts but ran every linear of a SmolLM2 step from memory 2-8% slower at best in five of six
+  // scratch A/Bs (both builds; in cache it was 8% faster, but a model's weights come from memory)
   constexpr int P = REGISTERS == 32 ? (MR == 1 ? 1 : MR == 2 ? 2 : 1) : 1;
   const bool one_group = BITS == 8 && groups == 1;  // 8w's scale per row
   int64_t p = p0;
