@@ -77,10 +77,14 @@ inline void dot4(const float* q, const E* k, const int64_t* cells, int64_t k_sc,
   total4(a0, a1, a2, a3, scale, out);
 }
 
-// p[0..n) = e^(p - max p) in place; returns their sum, and max p in top
-inline float exp_shifted(float* p, int64_t n, float& top) {
-  top = -INFINITY;
+inline float largest(const float* p, int64_t n) {
+  float top = -INFINITY;
   for (int64_t j = 0; j < n; j++) top = p[j] > top ? p[j] : top;
+  return top;
+}
+
+// p[0..n) = e^(p - top) in place (top: their largest); returns their sum
+inline float exp_below(float* p, int64_t n, float top) {
   vec sum = zero();
   const vec shift = broadcast(top);
   int64_t j = 0;
@@ -168,8 +172,7 @@ void attend_by_heads(const float* q, int64_t q_sh, int64_t q_st, const E* k, int
           continue;
         }
         scores(q + h * q_sh + t * q_st, kh, k_sc, cells.data(), n, D, scale, p.data());
-        float top;
-        weighted_values(p.data(), cells.data(), n, vh, v_sc, D, 1.0f / exp_shifted(p.data(), n, top), o);
+        weighted_values(p.data(), cells.data(), n, vh, v_sc, D, 1.0f / exp_below(p.data(), n, largest(p.data(), n)), o);
       }
     }
   }
@@ -204,7 +207,8 @@ void attend_by_cells(const float* q, int64_t q_sh, int64_t q_st, const E* k, int
       for (int64_t h = 0; h < H; h++) {
         const int64_t kvh = h / group, at = task * H + h;
         scores(q + h * q_sh + t * q_st, k + kvh * k_sh, k_sc, run, n, D, scale, p.data());
-        sums[at] = exp_shifted(p.data(), n, tops[at]);
+        tops[at] = largest(p.data(), n);
+        sums[at] = exp_below(p.data(), n, tops[at]);
         weighted_values(p.data(), run, n, v + kvh * v_sh, v_sc, D, 1.0f, &partial[at * D]);
       }
     }
