@@ -143,9 +143,44 @@ def test_masked_attention_over_bf16_pools(isa, shims, heads, kv_heads, rows, cel
                                want.bfloat16().float(), rtol=8e-3, atol=1e-5)
 
 
-def test_the_shim_hands_dense_rows_to_sdpa(shims):
-    query, key, value, _ = attention_operands(4, 2, 6, 40, 16)
-    mask = torch.ones(6, 40, dtype=torch.bool)
+# (heads, kv heads, rows, earlier cells, head dim): groups of 3, 7 (4 + 3 on
+# AVX-512), 5 and 6; head dims with a tail past whole tiles of dims
+SESSION_ROW_CASES = [(9, 3, 8, 300, 64), (7, 1, 5, 40, 20), (10, 2, 16, 130, 72), (12, 2, 4, 64, 128)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,rows,history,head_dim", SESSION_ROW_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_attention_over_one_sessions_rows(isa, shims, heads, kv_heads, rows, history, head_dim, dtype):
+    """One session's rows (a speculative check, a short slice) see the same
+    cells, row t its history and the step's first t + 1, among another
+    session's cells: the kernel takes one kv head's rows in turn and scores
+    a kv head's query heads together; the result is sdpa's."""
+    g = torch.Generator().manual_seed(heads * 7 + rows)
+    cells = 2 * (history + rows) + 3
+    pool_k, pool_v = (torch.randn(cells, kv_heads, head_dim, generator=g) for _ in range(2))
+    key, value = pool_k.permute(1, 0, 2).unsqueeze(0), pool_v.permute(1, 0, 2).unsqueeze(0)
+    query = torch.randn(1, rows, heads, head_dim, generator=g).transpose(1, 2) * 2
+    own = torch.arange(1, cells, 2)[: history + rows]  # the session's cells, every other one
+    mask = torch.zeros(rows, cells, dtype=torch.bool)
+    for t in range(rows):
+        mask[t, own[: history + t + 1]] = True
+    query, key, value = (t.to(dtype) for t in (query, key, value))
+    want = torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
+                                                            scale=0.3, enable_gqa=True)
+    got = shims.call("masked_attention", query, key, value, mask, 0.3)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(build.masked_attention(query, key, value, mask, 0.3, isa=isa), want,
+                                   rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=8e-3, atol=1e-5)
+
+
+def test_the_shim_hands_rows_past_a_static_method_to_sdpa(shims):
+    """Over 16 rows (a dynamic prefill of several sessions) the shim calls
+    torch's sdpa through the mask, on the same operands."""
+    query, key, value, _ = attention_operands(4, 2, 20, 40, 16)
+    mask = torch.rand(20, 40, generator=torch.Generator().manual_seed(5)) > 0.3
     want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.5, enable_gqa=True)
     torch.testing.assert_close(shims.call("masked_attention", query, key, value, mask, 0.5), want, rtol=1e-5, atol=1e-5)
 

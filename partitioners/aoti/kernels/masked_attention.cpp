@@ -8,8 +8,11 @@
 // cells, an eighth of the view, so 7/8 of that work is thrown away; with one
 // session sdpa's per-head matrix products cost more in call overhead than the
 // few hundred dot products do. Here each (row, kv head) task gathers the row's
-// visible cells once, and every query head of the group scores them, takes an
-// exact softmax (max-subtracted, a vectorized exp) and sums the values. A
+// visible cells once, and the group's query heads score them together (each
+// key and value vector loaded once for up to 4 heads), take an exact softmax
+// (max-subtracted, a vectorized exp) and sum the values. One session's rows
+// (a speculative check) see the same cells: a thread then takes one kv
+// head's rows in turn, so its keys and values stay in L2. A
 // decode step of one session has fewer such tasks than the threads can share
 // evenly (SmolLM2: 3 on 2 threads, one thread doing two), so there the row's
 // cells are split among the threads instead and the partial softmaxes merged:
@@ -102,45 +105,119 @@ inline float exp_below(float* p, int64_t n, float top) {
   return total(sum);
 }
 
-// the scores of query row qh against cells[0..n) of one kv head's keys, into p
-template <typename E>
-inline void scores(const float* qh, const E* kh, int64_t k_sc, const int64_t* cells, int64_t n, int64_t D, float scale,
-                   float* p) {
+// query heads a tile scores and sums together (one kv head's, of one row):
+// each key and value row loaded once serves them all
+constexpr int HEADS_MAX = REGISTERS == 32 ? 4 : 2;
+
+// scale * q_g . k[cells[j]] for the G query rows q + g * q_sh and cells[0..n), into p + g * ps + j; four
+// cells at a time, each key vector loaded once for the G heads
+template <int G, typename E>
+inline void scores(const float* q, int64_t q_sh, const E* kh, int64_t k_sc, const int64_t* cells, int64_t n, int64_t D,
+                   float scale, float* p, int64_t ps) {
   int64_t j = 0;
-  for (; j + 4 <= n; j += 4) dot4(qh, kh, cells + j, k_sc, D, scale, p + j);
-  for (; j < n; j++) p[j] = scale * dot(qh, kh + cells[j] * k_sc, D);
+  for (; j + 4 <= n; j += 4) {
+    const E* rows[4] = {kh + cells[j] * k_sc, kh + cells[j + 1] * k_sc, kh + cells[j + 2] * k_sc,
+                        kh + cells[j + 3] * k_sc};
+    vec acc[G][4];
+    clear(acc);
+    for (int64_t d = 0; d < D; d += LANES) {
+      const int w = D - d < LANES ? (int)(D - d) : LANES;
+      vec key[4];
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; c++) key[c] = load_upto(rows[c] + d, w);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; g++) {
+        const vec qv = load_upto(q + g * q_sh + d, w);
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) acc[g][c] = fma(qv, key[c], acc[g][c]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++) total4(acc[g][0], acc[g][1], acc[g][2], acc[g][3], scale, p + g * ps + j);
+  }
+  for (; j < n; j++)
+    for (int g = 0; g < G; g++) p[g * ps + j] = scale * dot(q + g * q_sh, kh + cells[j] * k_sc, D);
 }
 
-// o[0..D) = inverse * sum_i p[i] * v[cells[i]], 64 dims at a time in 8 registers
-template <typename E>
-inline void weighted_values(const float* p, const int64_t* cells, int64_t n, const E* vh, int64_t v_sc, int64_t D,
-                            float inverse, float* o) {
-  const vec scale = broadcast(inverse);
-  for (int64_t d0 = 0; d0 < D; d0 += 8 * LANES) {
-    vec a[8];
-    for (int b = 0; b < 8; b++) a[b] = zero();
-    if (D - d0 >= 8 * LANES) {
-      for (int64_t i = 0; i < n; i++) {
-        const vec w = broadcast(p[i]);
-        const E* row = vh + cells[i] * v_sc + d0;
+// o + g * o_sh = inverse[g] * sum_i p[g * ps + i] * v[cells[i]] for the G heads: each value vector loaded once
+// for them all, DV vectors of dims at a time (as many as leave registers for the loads)
+template <int G, typename E>
+inline void weighted_values(const float* p, int64_t ps, const int64_t* cells, int64_t n, const E* vh, int64_t v_sc,
+                            int64_t D, const float* inverse, float* o, int64_t o_sh) {
+  constexpr int DV = G * 8 <= REGISTERS - 8 ? 8 : G * 4 <= REGISTERS - 8 ? 4 : 2;
+  int64_t d0 = 0;
+  for (; d0 + DV * LANES <= D; d0 += DV * LANES) {
+    vec acc[G][DV];
+    clear(acc);
+    for (int64_t i = 0; i < n; i++) {
+      const E* row = vh + cells[i] * v_sc + d0;
+      vec weight[G];
+#pragma GCC unroll 4
+      for (int g = 0; g < G; g++) weight[g] = broadcast(p[g * ps + i]);
 #pragma GCC unroll 8
-        for (int b = 0; b < 8; b++) a[b] = fma(w, load(row + LANES * b), a[b]);
+      for (int b = 0; b < DV; b++) {
+        const vec value = load(row + LANES * b);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; g++) acc[g][b] = fma(weight[g], value, acc[g][b]);
       }
-      for (int b = 0; b < 8; b++) store(o + d0 + LANES * b, mul(a[b], scale));
-    } else {
-      const int blocks = (int)((D - d0 + LANES - 1) / LANES);
-      for (int64_t i = 0; i < n; i++) {
-        const vec w = broadcast(p[i]);
-        const E* row = vh + cells[i] * v_sc + d0;
-        for (int b = 0; b < blocks; b++) {
-          const int width = D - d0 - LANES * b < LANES ? (int)(D - d0 - LANES * b) : LANES;
-          a[b] = fma(w, load_first(row + LANES * b, width), a[b]);
-        }
-      }
-      for (int b = 0; b < blocks; b++) {
-        const int width = D - d0 - LANES * b < LANES ? (int)(D - d0 - LANES * b) : LANES;
-        store_first(o + d0 + LANES * b, mul(a[b], scale), width);
-      }
+    }
+    for (int g = 0; g < G; g++)
+      for (int b = 0; b < DV; b++) store(o + g * o_sh + d0 + LANES * b, mul(acc[g][b], broadcast(inverse[g])));
+  }
+  for (; d0 < D; d0 += LANES) {  // the dims past the last whole DV vectors, a vector at a time
+    const int w = D - d0 < LANES ? (int)(D - d0) : LANES;
+    vec acc[G];
+    for (int g = 0; g < G; g++) acc[g] = zero();
+    for (int64_t i = 0; i < n; i++) {
+      const vec value = load_upto(vh + cells[i] * v_sc + d0, w);
+      for (int g = 0; g < G; g++) acc[g] = fma(broadcast(p[g * ps + i]), value, acc[g]);
+    }
+    for (int g = 0; g < G; g++) store_first(o + g * o_sh + d0, mul(acc[g], broadcast(inverse[g])), w);
+  }
+}
+
+// G query heads of one kv head (query rows q + g * q_sh) over cells[0..n), into o + g * o_sh: with `tops` and
+// `sums` null, the exact softmax's weighted values; otherwise each head's partial softmax (its largest score
+// to tops[g], its sum of e^(s - largest) to sums[g], the values weighted by those, unnormalized). p: G * ps
+// floats, ps >= n + LANES
+template <int G, typename E>
+void head_tile(const float* q, int64_t q_sh, const E* kh, int64_t k_sc, const E* vh, int64_t v_sc,
+               const int64_t* cells, int64_t n, int64_t D, float scale, float* p, int64_t ps, float* o, int64_t o_sh,
+               float* tops, float* sums) {
+  scores<G>(q, q_sh, kh, k_sc, cells, n, D, scale, p, ps);
+  float inverse[G];
+  for (int g = 0; g < G; g++) {
+    const float top = largest(p + g * ps, n), sum = exp_below(p + g * ps, n, top);
+    if (tops) {
+      tops[g] = top;
+      sums[g] = sum;
+    }
+    inverse[g] = tops ? 1.0f : 1.0f / sum;
+  }
+  weighted_values<G>(p, ps, cells, n, vh, v_sc, D, inverse, o, o_sh);
+}
+
+// query heads h0..h1 of one kv head, HEADS_MAX at a time (arguments as head_tile's, per head h - h0)
+template <typename E>
+void heads(int64_t h0, int64_t h1, const float* q, int64_t q_sh, const E* kh, int64_t k_sc, const E* vh, int64_t v_sc,
+           const int64_t* cells, int64_t n, int64_t D, float scale, float* p, int64_t ps, float* o, int64_t o_sh,
+           float* tops, float* sums) {
+  for (int64_t h = h0; h < h1; h += HEADS_MAX) {
+    const int64_t i = h - h0;
+    const float* qh = q + i * q_sh;
+    float* oh = o + i * o_sh;
+    float* th = tops ? tops + i : nullptr;
+    float* sh = sums ? sums + i : nullptr;
+    const int64_t g = h1 - h < HEADS_MAX ? h1 - h : HEADS_MAX;
+    if (g == 1)
+      head_tile<1>(qh, q_sh, kh, k_sc, vh, v_sc, cells, n, D, scale, p, ps, oh, o_sh, th, sh);
+    else if (g == 2)
+      head_tile<2>(qh, q_sh, kh, k_sc, vh, v_sc, cells, n, D, scale, p, ps, oh, o_sh, th, sh);
+    else if constexpr (HEADS_MAX == 4) {
+      if (g == 3)
+        head_tile<3>(qh, q_sh, kh, k_sc, vh, v_sc, cells, n, D, scale, p, ps, oh, o_sh, th, sh);
+      else
+        head_tile<4>(qh, q_sh, kh, k_sc, vh, v_sc, cells, n, D, scale, p, ps, oh, o_sh, th, sh);
     }
   }
 }
@@ -152,28 +229,34 @@ template <typename E>
 void attend_by_heads(const float* q, int64_t q_sh, int64_t q_st, const E* k, int64_t k_sh, int64_t k_sc, const E* v,
                      int64_t v_sh, int64_t v_sc, const bool* mask, int64_t m_st, int64_t m_sc, float* out, int64_t H,
                      int64_t Hkv, int64_t T, int64_t C, int64_t D, float scale) {
-  const int64_t group = H / Hkv;
+  const int64_t group = H / Hkv, ps = C + LANES;
+  // Rows that see the same cells (one session's) take one kv head's rows in turn, so its keys and values
+  // stay in L2 from row to row; rows of different sessions take a row's kv heads in turn, whose keys and
+  // values lie side by side in each cell.
+  int64_t first = 0, both = 0;
+  for (int64_t c = 0; c < C; c++) {
+    first += mask[c * m_sc];
+    both += mask[c * m_sc] && mask[(T - 1) * m_st + c * m_sc];
+  }
+  const bool by_kv_head = T > 1 && 2 * both > first;
 #pragma omp parallel
   {
     std::vector<int64_t> cells(C);
-    std::vector<float> p(C + LANES);
+    std::vector<float> p(std::min<int64_t>(group, HEADS_MAX) * ps);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < T * Hkv; task++) {
-      const int64_t t = task / Hkv, kvh = task % Hkv;
+      const int64_t kvh = by_kv_head ? task / T : task % Hkv, t = by_kv_head ? task % T : task / Hkv;
       int64_t n = 0;
       for (int64_t c = 0; c < C; c++)
         if (mask[t * m_st + c * m_sc]) cells[n++] = c;
-      const E* kh = k + kvh * k_sh;
-      const E* vh = v + kvh * v_sh;
-      for (int64_t h = kvh * group; h < (kvh + 1) * group; h++) {
-        float* o = out + (h * T + t) * D;
-        if (n == 0) {
-          for (int64_t d = 0; d < D; d++) o[d] = 0.0f;
-          continue;
-        }
-        scores(q + h * q_sh + t * q_st, kh, k_sc, cells.data(), n, D, scale, p.data());
-        weighted_values(p.data(), cells.data(), n, vh, v_sc, D, 1.0f / exp_below(p.data(), n, largest(p.data(), n)), o);
+      float* o = out + (kvh * group * T + t) * D;  // head h's row at o + (h - kvh * group) * T * D
+      if (n == 0) {
+        for (int64_t h = 0; h < group; h++)
+          for (int64_t d = 0; d < D; d++) o[h * T * D + d] = 0.0f;
+        continue;
       }
+      heads(kvh * group, (kvh + 1) * group, q + kvh * group * q_sh + t * q_st, q_sh, k + kvh * k_sh, k_sc,
+            v + kvh * v_sh, v_sc, cells.data(), n, D, scale, p.data(), ps, o, T * D, nullptr, nullptr);
     }
   }
 }
@@ -195,21 +278,19 @@ void attend_by_cells(const float* q, int64_t q_sh, int64_t q_st, const E* k, int
       if (mask[t * m_st + c * m_sc]) cells[t * C + seen[t]++] = c;
   // per (row, part, head): the partial's largest score, its sum, its D weighted values
   std::vector<float> tops(T * parts * H, -INFINITY), sums(T * parts * H, 0.0f), partial(T * parts * H * D);
+  const int64_t ps = C / parts + 1 + LANES;
 #pragma omp parallel
   {
-    std::vector<float> p(C / parts + 1 + LANES);
+    std::vector<float> p(std::min<int64_t>(group, HEADS_MAX) * ps);
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < T * parts; task++) {
       const int64_t t = task / parts, part = task % parts;
       const int64_t j0 = seen[t] * part / parts, n = seen[t] * (part + 1) / parts - j0;
       if (n == 0) continue;
-      const int64_t* run = &cells[t * C + j0];
-      for (int64_t h = 0; h < H; h++) {
-        const int64_t kvh = h / group, at = task * H + h;
-        scores(q + h * q_sh + t * q_st, k + kvh * k_sh, k_sc, run, n, D, scale, p.data());
-        tops[at] = largest(p.data(), n);
-        sums[at] = exp_below(p.data(), n, tops[at]);
-        weighted_values(p.data(), run, n, v + kvh * v_sh, v_sc, D, 1.0f, &partial[at * D]);
+      for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+        const int64_t h0 = kvh * group, at = task * H + h0;
+        heads(h0, h0 + group, q + h0 * q_sh + t * q_st, q_sh, k + kvh * k_sh, k_sc, v + kvh * v_sh, v_sc,
+              &cells[t * C + j0], n, D, scale, p.data(), ps, &partial[at * D], D, &tops[at], &sums[at]);
       }
     }
   }
