@@ -14,7 +14,9 @@ cells/S cells, as a batched decode step does.
 One session's slice of a prompt ("slice": T rows over H earlier cells and
 its own T) also goes through the masked attention shim as compiled methods
 call it (for 256+ rows: dense sdpa over the earlier cells, causal over the
-own, merged) beside sdpa through the mask.
+own, merged) beside sdpa through the mask; and one session's few rows over
+30 layers' pools in turn, the kernel against sdpa (which the shim picks for
+4+ fp32 rows that see most cells).
 
     python bench/attention_kernels.py
 """
@@ -95,6 +97,46 @@ def measure_slice(tokens: int, history: int) -> dict:
     return row
 
 
+LAYER_SHAPES = [(4, 300), (8, 100), (8, 1024), (16, 1024)]  # one session's (rows, earlier cells), 30 layers' pools
+
+
+def measure_layers(tokens: int, history: int, layers: int = 30) -> dict:
+    """One session's rows (row t sees the history and the step's first t + 1)
+    over `layers` layers' pools in turn, as a step reads them (the pools
+    leave L2 between calls; whether they leave L3 is the machine's): the
+    kernel against sdpa through the mask, ms for all layers."""
+    import time
+
+    from kvexport.partitioners.aoti.kernels.build import masked_attention
+
+    cells = history + tokens
+    mask = torch.arange(cells)[None, :] <= (torch.arange(tokens) + history)[:, None]
+    operands = []
+    for _ in range(layers):
+        k_pool, v_pool = torch.randn(cells, KV_HEADS, HEAD_DIM), torch.randn(cells, KV_HEADS, HEAD_DIM)
+        operands.append((torch.randn(1, HEADS, tokens, HEAD_DIM), k_pool.permute(1, 0, 2).unsqueeze(0),
+                         v_pool.permute(1, 0, 2).unsqueeze(0)))
+    scale = HEAD_DIM ** -0.5
+
+    def kernel():
+        for q, k, v in operands:
+            masked_attention(q, k, v, mask, scale)
+
+    def through_mask():
+        for q, k, v in operands:
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    row = {"layers": layers, "session_rows": tokens, "earlier_cells": history}
+    for f in (kernel, through_mask):
+        best = float("inf")
+        for _ in range(7):
+            start = time.perf_counter()
+            f()
+            best = min(best, time.perf_counter() - start)
+        row[f"{f.__name__}_ms"] = round(best * 1e3, 2)
+    return row
+
+
 def main() -> None:
     from kvexport.partitioners.aoti.kernels.build import supported
 
@@ -106,6 +148,7 @@ def main() -> None:
         rows.append({"sessions": sessions} | measure(sessions, cells, owner[None, :] == torch.arange(sessions)[:, None]))
     if supported():
         rows += [measure_slice(tokens, history) for tokens, history in SLICE_SHAPES]
+        rows += [measure_layers(tokens, history) for tokens, history in LAYER_SHAPES]
     emit({"cpu": cpu_model(), "threads": torch.get_num_threads(), "rows": rows})
 
 

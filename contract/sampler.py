@@ -31,19 +31,33 @@ def sample(logits: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     logits = logits.float()
     temperature, top_p, top_k, coin = params.unbind(-1)  # each [R]
     greedy = temperature <= 0
-    kept, order, keep = _kept(logits, temperature, top_p, top_k)
-    cumulative = torch.cumsum(kept, dim=-1)
-    index = (cumulative <= coin.unsqueeze(-1)).sum(dim=-1)
+    _, order, keep, cumulative = _filtered(logits, temperature, top_p, top_k)
+    # The kept tokens are a prefix of the sorted ones, so their renormalised
+    # cumulative probability is the prefix's cumulative sum over the kept
+    # mass (which ends at exactly 1): one scan, over the sorted probabilities
+    # alone (a scan over a broadcast expression fails inductor's CUDA code
+    # generation in torch 2.11).
     last_kept = keep.sum(dim=-1) - 1
+    mass = torch.gather(cumulative, -1, last_kept.clamp(min=0).unsqueeze(-1))  # [R, 1]
+    index = (cumulative / mass <= coin.unsqueeze(-1)).sum(dim=-1)
     index = torch.minimum(index, last_kept)
     drawn = torch.gather(order, -1, index.unsqueeze(-1)).squeeze(-1)
     return torch.where(greedy, torch.argmax(logits, dim=-1), drawn)
 
 
 def _kept(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor):
-    """(kept, order, keep), each [R, V]: the probabilities a row draws from,
-    sorted (descending, stable) with the filtered ones zero and the rest
-    renormalised; the token id of each; which are kept."""
+    """(kept, order), each [R, V]: the probabilities a row draws from, sorted
+    (descending, stable) with the filtered ones zero and the rest
+    renormalised; the token id of each."""
+    sorted_probs, order, keep, _ = _filtered(logits, temperature, top_p, top_k)
+    kept = sorted_probs * keep
+    return kept / kept.sum(dim=-1, keepdim=True), order
+
+
+def _filtered(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor):
+    """(sorted_probs, order, keep, cumulative), each [R, V]: the
+    probabilities sorted (descending, stable), the token id of each, which
+    are kept (a prefix), and their cumulative sum."""
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
     probs = torch.softmax(scaled, dim=-1)
@@ -53,11 +67,10 @@ def _kept(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, 
     use_p = ((top_k <= 0) & (top_p < 1)).unsqueeze(-1)
     keep_k = ranks < top_k.unsqueeze(-1)
     # keep a token while the mass before it is still short of top_p
-    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    keep_p = mass_before < top_p.unsqueeze(-1)
+    cumulative = torch.cumsum(sorted_probs, dim=-1)
+    keep_p = cumulative - sorted_probs < top_p.unsqueeze(-1)
     keep = torch.where(use_k, keep_k, torch.where(use_p, keep_p, torch.ones_like(keep_k)))
-    kept = sorted_probs * keep
-    return kept / kept.sum(dim=-1, keepdim=True), order, keep
+    return sorted_probs, order, keep, cumulative
 
 
 def probabilities(logits: torch.Tensor, config: "SamplingConfig") -> torch.Tensor:
@@ -69,7 +82,7 @@ def probabilities(logits: torch.Tensor, config: "SamplingConfig") -> torch.Tenso
         return torch.nn.functional.one_hot(torch.argmax(logits, dim=-1), logits.shape[-1]).float()
     rows = logits.shape[0]
     temperature = torch.full((rows,), float(config.temperature))
-    kept, order, _ = _kept(logits, temperature, torch.full((rows,), float(config.top_p)), torch.full((rows,), float(config.top_k)))
+    kept, order = _kept(logits, temperature, torch.full((rows,), float(config.top_p)), torch.full((rows,), float(config.top_k)))
     return torch.zeros_like(kept).scatter_(-1, order, kept)
 
 

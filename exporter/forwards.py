@@ -72,7 +72,7 @@ def offgraph_attention(
     k_pool, v_pool = state.pools[2 * layer], state.pools[2 * layer + 1]
     k_pool.index_copy_(0, state.cells, key[0].transpose(0, 1).to(k_pool.dtype))
     v_pool.index_copy_(0, state.cells, value[0].transpose(0, 1).to(v_pool.dtype))
-    if softcap is None:
+    if _sdpa_attends(query, softcap):
         # strided views straight into the pools ([1, H_kv, C, D]); sdpa reads
         # them without a copy and never materializes the [H, T, C] scores
         # (bench/attention_kernels.py: 1.7-4.7 x faster than the products below at 128-2048 tokens)
@@ -82,26 +82,34 @@ def offgraph_attention(
             query, k, v, attn_mask=state.masks[window], scale=_scale(scaling, query.shape[-1]), enable_gqa=True
         )
         return out.transpose(1, 2), None  # [1, T, H, D]
-    return _attend_softcapped(query, k_pool, v_pool, state.masks[window], scaling, softcap), None
+    return _attend_products(query, k_pool, v_pool, state.masks[window], scaling, softcap), None
 
 
-def _attend_softcapped(query, k_pool, v_pool, mask, scaling, softcap) -> torch.Tensor:
-    """Attention with logit soft-capping (Gemma 2), which sdpa lacks: the
-    scores as products over the pools, capped, masked and normalized."""
+def _sdpa_attends(query: torch.Tensor, softcap: float | None) -> bool:
+    """Whether sdpa attends over the pools: not where the model soft-caps
+    its scores (Gemma 2), which sdpa cannot, and not on CUDA, where sdpa
+    with grouped heads over the strided pool views traced to guards on the
+    cell count (torch 2.11 on an H200); the products below attend there."""
+    return softcap is None and query.device.type == "cpu"
+
+
+def _attend_products(query, k_pool, v_pool, mask, scaling, softcap) -> torch.Tensor:
+    """Attention as products over the pools: the scores (capped where the
+    model soft-caps them), masked and normalized. Every tensor keeps a kv
+    head's query heads as their own dimension: merging them with the tokens
+    or the cells makes torch 2.11's export guard on those sizes."""
     heads, tokens, head_dim = query.shape[1:]
     kv_heads = k_pool.shape[1]
-    group = heads // kv_heads
-    q = query.reshape(kv_heads, group * tokens, head_dim)  # [H_kv, G*T, D]
-    k = k_pool.permute(1, 2, 0).to(query.dtype)  # [H_kv, D, C]
-    v = v_pool.permute(1, 0, 2).to(query.dtype)  # [H_kv, C, D]
-    scores = torch.bmm(q, k) * _scale(scaling, head_dim)  # [H_kv, G*T, C]
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.view(kv_heads, group, tokens, -1).masked_fill(~mask, float("-inf"))
+    q = query.view(kv_heads, heads // kv_heads, tokens, head_dim)  # [H_kv, G, T, D]
+    k = k_pool.permute(1, 2, 0).unsqueeze(1).to(query.dtype)  # [H_kv, 1, D, C]
+    v = v_pool.permute(1, 0, 2).unsqueeze(1).to(query.dtype)  # [H_kv, 1, C, D]
+    scores = torch.matmul(q, k) * _scale(scaling, head_dim)  # [H_kv, G, T, C]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    out = torch.bmm(probs.view(kv_heads, group * tokens, -1), v)  # [H_kv, G*T, D]
-    # unflatten, not view: a view that splits G*T makes export guard on T
-    out = out.unflatten(1, (group, tokens)).reshape(heads, tokens, head_dim)
-    return out.transpose(0, 1).unsqueeze(0)  # [1, T, H, D]
+    out = torch.matmul(probs, v)  # [H_kv, G, T, D]
+    return out.permute(2, 0, 1, 3).reshape(tokens, heads, head_dim).unsqueeze(0)  # [1, T, H, D]
 
 
 def _scale(scaling: float | None, head_dim: int) -> float:
@@ -117,7 +125,7 @@ def _attend_dense(query, key, value, scaling, softcap) -> torch.Tensor:
     scores = torch.matmul(query, k.transpose(-1, -2)) * _scale(scaling, head_dim)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    causal = torch.ones(tokens, tokens, dtype=torch.bool).tril()
+    causal = torch.ones(tokens, tokens, dtype=torch.bool, device=scores.device).tril()
     probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
     return torch.matmul(probs, v).transpose(1, 2)
 

@@ -25,7 +25,7 @@ TINY_LAYOUT = dict(forward_sizes="1,4", max_step_tokens=24, max_cells=512)
 TORCH = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
 # models whose export fails under torch 2.11 (the fast tier is checked there by hand), and why
 UNTRACEABLE_BEFORE_2_13 = {
-    "tiny-gemma2": "torch 2.11 cannot prove the guard min(C, 4*C) == C that tracing Gemma2 (transformers 5.17) makes",
+    "tiny-gemma2": "it traces under torch 2.11, but transformers 5.17's Gemma2 logits differ from the package's by 0.017",
 }
 
 PROGRESS: dict[str, list[str]] = {}  # the progress lines of each export_tiny in this process, by output path

@@ -261,3 +261,27 @@ def test_the_probe_chooses_fp32_products_only(monkeypatch, dtype, row_kernel, pr
     monkeypatch.setattr(build, "archive_dir", lambda: None)
     options = aoti._configure(ExportSpec(backend="aoti", dtype=dtype, row_kernel=row_kernel))
     assert (options.kernel_rows, options.attention_rows) == (products, attention)
+
+
+def test_a_compile_failure_in_a_worker_crosses_as_its_message(monkeypatch, tmp_path):
+    """An inductor error can hold frames, which do not pickle: the worker
+    sends what went wrong as text, never "cannot pickle 'frame' object"."""
+    import sys
+
+    from kvexport.contract.errors import ExportError
+    from kvexport.partitioners.aoti import compile as aoti_compile
+
+    class Unpicklable(RuntimeError):
+        def __init__(self, message):
+            super().__init__(message)
+            self.frame = sys._getframe()
+
+    def fails(job):
+        raise Unpicklable("Error in codegen for ComputedBuffer(name='buf12')")
+
+    monkeypatch.setattr(aoti_compile, "compile_one", fails)
+    job = aoti_compile.CompileJob("sample", tmp_path / "g", tmp_path / "w", {}, {}, [], tmp_path / "out")
+    with pytest.raises(ExportError) as raised:
+        aoti_compile._compile_in_worker(job)
+    crossed = pickle.loads(pickle.dumps(raised.value))
+    assert str(crossed) == "AOTInductor compile of sample failed: Unpicklable: Error in codegen for ComputedBuffer(name='buf12')"

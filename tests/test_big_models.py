@@ -237,3 +237,13 @@ def test_geometry_probed_without_reading_a_weight_equals_the_real_run(arch, monk
     monkeypatch.setattr(fake, "FakeTensorMode", Refused)
     real = OffgraphForward(models.load_model(f"tiny-{arch}").model).geometry
     assert faked == real
+
+
+def test_geometry_probe_runs_on_the_models_device():
+    """A model on another device than the CPU (meta stands in for CUDA here)
+    is probed there: no tensor of the probe is made on the CPU."""
+    from kvexport.exporter.forwards import OffgraphForward
+
+    on_cpu = OffgraphForward(models.load_model("tiny-llama").model).geometry
+    elsewhere = OffgraphForward(models.load_model("tiny-llama").model.to("meta")).geometry
+    assert elsewhere == on_cpu

@@ -176,6 +176,14 @@ def test_masked_attention_over_one_sessions_rows(isa, shims, heads, kv_heads, ro
         torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=8e-3, atol=1e-5)
 
 
+def test_the_shim_hands_dense_rows_to_sdpa(shims):
+    """4+ fp32 rows that see most cells (one session's slice) go to sdpa."""
+    query, key, value, _ = attention_operands(4, 2, 6, 40, 16)
+    mask = torch.ones(6, 40, dtype=torch.bool)
+    want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.5, enable_gqa=True)
+    torch.testing.assert_close(shims.call("masked_attention", query, key, value, mask, 0.5), want, rtol=1e-5, atol=1e-5)
+
+
 def test_the_shim_hands_rows_past_a_static_method_to_sdpa(shims):
     """Over 16 rows (a dynamic prefill of several sessions) the shim calls
     torch's sdpa through the mask, on the same operands."""

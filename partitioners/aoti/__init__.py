@@ -57,8 +57,9 @@ def _configure(spec) -> AotiOptions:
 
 
 def _compile_workers(spec) -> int:
-    """One compile process per core, and no more than there are methods."""
-    return spec.compile_workers or min(os.cpu_count() or 1, len(spec.forward_sizes) + 1)
+    """One compile process per core, and no more than there are methods: the
+    static forwards, forward_others and the two samplers."""
+    return spec.compile_workers or min(os.cpu_count() or 1, len(spec.forward_sizes) + 3)
 
 
 def _partitioners(options: AotiOptions) -> list:

@@ -283,7 +283,7 @@ def compile_methods(jobs: list[CompileJob], workers: int, progress: Callable[[st
         # spawn: a forked child would inherit the parent's torch thread pools
         context = multiprocessing.get_context("spawn")
         with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            pending = {pool.submit(compile_one, job): job for job in left}
+            pending = {pool.submit(_compile_in_worker, job): job for job in left}
             while pending:
                 done, _ = wait(pending, timeout=HEARTBEAT_S, return_when=FIRST_COMPLETED)
                 for future in done:
@@ -310,6 +310,23 @@ def _still_compiling(done: int, total: int, elapsed: float) -> str:
     if done:
         line += f", about {elapsed / done * (total - done):.0f} s left"
     return line
+
+
+def _compile_in_worker(job: CompileJob) -> tuple[str, float, dict[str, int], bool]:
+    """compile_one, whose failure reaches the parent as its message: an
+    inductor error can hold frames, which do not pickle, and the parent
+    would see "cannot pickle 'frame' object" instead of what went wrong."""
+    try:
+        return compile_one(job)
+    except ExportError as e:
+        raise ExportError(str(e)) from None
+    except Exception as e:  # noqa: BLE001  (any compile failure: its type and message cross as text)
+        raise ExportError(f"AOTInductor compile of {job.method} failed: {type(e).__name__}: {_short(e)}") from None
+
+
+def _short(e: Exception, limit: int = 2000) -> str:
+    text = str(e)
+    return text if len(text) <= limit else text[:limit] + " [...]"
 
 
 def _run(fn, *args):
