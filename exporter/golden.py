@@ -26,7 +26,11 @@ from kvexport.contract.sections import ReferenceSection
 QUESTION = "What is the capital of France?"
 TOP = 5
 # (tie margin, logit tolerance: atol, rtol) by dtype: the package computes the
-# same function with other kernels, so its logits differ in rounding.
+# same function with other kernels, so its logits differ in rounding. In bf16
+# both sides round: on an Intel Xeon with AMX, SmolLM2's first logits in
+# eager bf16 were up to 0.96 from the fp32 model's, the aoti package's up to
+# 0.67, in opposite directions, and the two 0.875 apart on a top logit of
+# 25.9 (AMD's EPYC had kept them within 0.25 + 2%).
 # Int8 activations (--qact int8) round every linear's input to 127 steps a
 # block: a rounding difference upstream that moves a value across a half step
 # moves it by a whole step, and over 30 layers those flips add up. On
@@ -34,8 +38,8 @@ TOP = 5
 # model's by up to 0.46 on a logit of 24 at 4w and by up to 0.91 at gguf
 # (Q4_1 kept, AVX-512 with VNNI), the top logits mostly moving together;
 # the portable package, the same arithmetic in another order, by up to 0.20.
-# Such packages get twice bf16's logit tolerances and a wider tie margin.
-TOLERANCES = {"fp32": (0.05, 1e-2, 1e-3), "bf16": (0.5, 0.25, 2e-2), "int8 activations": (1.0, 0.5, 4e-2)}
+# Such packages get bf16's logit tolerances and a wider tie margin.
+TOLERANCES = {"fp32": (0.05, 1e-2, 1e-3), "bf16": (0.5, 0.5, 4e-2), "int8 activations": (1.0, 0.5, 4e-2)}
 INT8_ACTIVATIONS = "int8 activations"
 
 
