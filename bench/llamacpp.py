@@ -27,7 +27,9 @@ needs sentencepiece). `llama-quantize` then makes BF16, Q8_0 and Q4_0.
 `llama-batched-bench` the 8-sequence aggregate. For the built-in SmolLM2
 llama.cpp also runs its own GGUF file (GGUF), which `--export gguf` keeps.
 `--isa avx2` builds llama.cpp a second time for AVX2 alone (GGML_NATIVE
-off, no AVX-512 or VNNI) and exports kvexport's packages for AVX2. `--omp-passive` sets
+off, no AVX-512 or VNNI) and exports kvexport's packages for AVX2; `--isa
+avx512` for AVX-512 with VNNI and BF16 but no AMX (a VM may list AMX that it
+refuses: a -march=native llama-bench died with SIGILL on Q8_0). `--omp-passive` sets
 OMP_WAIT_POLICY=passive, which keeps its threads from spinning on a shared
 machine (and costs it speed on a quiet one). Each package is
 measured with bench/decode.py and bench/prefill.py in the same run.
@@ -61,7 +63,13 @@ def run(cmd: list, capture: bool = True, **kwargs) -> str:
 # llama.cpp's CMake flags for each instruction set the bench can ask for, and its build folder
 ISAS = {"native": ("build", ["-DGGML_NATIVE=ON"]),
         "avx2": ("build-avx2", ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
-                                "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"])}
+                                "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF", "-DGGML_AVX_VNNI=OFF"]),
+        # AVX-512 with VNNI and BF16, no AMX: a VM can list AMX (lscpu) that -march=native then uses and
+        # the machine refuses (llama-bench died with SIGILL on Q8_0 on an Intel Xeon, 2026-12-04)
+        "avx512": ("build-avx512", ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+                                    "-DGGML_F16C=ON", "-DGGML_BMI2=ON", "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON",
+                                    "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AVX_VNNI=ON",
+                                    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])}
 
 
 def build(root: Path, isa: str = "native") -> Path:
@@ -215,7 +223,7 @@ def main() -> None:
     parser.add_argument("--isa", default="native", choices=sorted(ISAS),
                         help="avx2: llama.cpp built for AVX2 alone, and kvexport's packages exported and run with "
                              "ATEN_CPU_CAPABILITY=avx2 (their compiled code and kernels in AVX2): an AVX2 machine's "
-                             "table on an AVX-512 one")
+                             "table on an AVX-512 one; avx512: both in AVX-512 with VNNI and BF16, no AMX")
     parser.add_argument("--omp-passive", action="store_true",
                         help="OMP_WAIT_POLICY=passive for llama.cpp: on a shared machine its spinning threads collapse")
     args = parser.parse_args()
