@@ -1,8 +1,8 @@
 """Attention over the cell pools, at decode and prefill shapes (SmolLM2's
 heads: 9 query heads, 3 KV heads, head dim 64): sdpa over strided views of
-the pools (what exporter/forwards.py runs) against products with a
-materialized [H, T, C] score tensor and an explicit mask (what it ran
-before, and still runs for soft-capped attention), and, for up to 16 rows,
+the pools (what exporter/forwards.py runs on the CPU) against products with
+a materialized [H, T, C] score tensor and an explicit mask (what it runs on
+CUDA and for soft-capped attention), and, for up to 16 rows,
 kvexport's masked attention kernel (partitioners/aoti/kernels/masked_attention.cpp, what
 aoti's forward_<N> methods run on x86). Prints ms per call and the largest
 difference from sdpa.
@@ -34,14 +34,9 @@ SESSION_SHAPES = [(8, 8 * 96), (8, 8 * 256), (8, 8 * 1024)]  # (sessions, cells)
 
 
 def products(q, k_pool, v_pool, mask):
-    heads, tokens, head_dim = q.shape[1:]
-    kv_heads = k_pool.shape[1]
-    group = heads // kv_heads
-    scores = torch.bmm(q.reshape(kv_heads, group * tokens, head_dim), k_pool.permute(1, 2, 0)) * head_dim**-0.5
-    scores = scores.view(kv_heads, group, tokens, -1).masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, -1, dtype=torch.float32)
-    out = torch.bmm(probs.view(kv_heads, group * tokens, -1), v_pool.permute(1, 0, 2))
-    return out.unflatten(1, (group, tokens)).reshape(heads, tokens, head_dim).transpose(0, 1).unsqueeze(0)
+    from kvexport.exporter.forwards import _attend_products
+
+    return _attend_products(q, k_pool, v_pool, mask, None, None)
 
 
 def sdpa(q, k_pool, v_pool, mask):
