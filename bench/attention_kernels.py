@@ -100,8 +100,6 @@ def measure_layers(tokens: int, history: int, layers: int = 30) -> dict:
     over `layers` layers' pools in turn, as a step reads them (the pools
     leave L2 between calls; whether they leave L3 is the machine's): the
     kernel against sdpa through the mask, ms for all layers."""
-    import time
-
     from kvexport.partitioners.aoti.kernels.build import masked_attention
 
     cells = history + tokens
@@ -123,12 +121,7 @@ def measure_layers(tokens: int, history: int, layers: int = 30) -> dict:
 
     row = {"layers": layers, "session_rows": tokens, "earlier_cells": history}
     for f in (kernel, through_mask):
-        best = float("inf")
-        for _ in range(7):
-            start = time.perf_counter()
-            f()
-            best = min(best, time.perf_counter() - start)
-        row[f"{f.__name__}_ms"] = round(best * 1e3, 2)
+        row[f"{f.__name__}_ms"] = round(best_of(f, 7) * 1e3, 2)
     return row
 
 

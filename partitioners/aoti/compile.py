@@ -278,7 +278,7 @@ def compile_methods(jobs: list[CompileJob], workers: int, progress: Callable[[st
     workers = workers or min(len(left), os.cpu_count() or 1)
     if workers <= 1:
         for job in left:
-            compiled(job, _run(compile_one, job))
+            compiled(job, _run(_compile_in_worker, job))
     elif left:
         # spawn: a forked child would inherit the parent's torch thread pools
         context = multiprocessing.get_context("spawn")
@@ -313,13 +313,14 @@ def _still_compiling(done: int, total: int, elapsed: float) -> str:
 
 
 def _compile_in_worker(job: CompileJob) -> tuple[str, float, dict[str, int], bool]:
-    """compile_one, whose failure reaches the parent as its message: an
-    inductor error can hold frames, which do not pickle, and the parent
-    would see "cannot pickle 'frame' object" instead of what went wrong."""
+    """compile_one, whose failure becomes an ExportError naming the method,
+    its message as text: an inductor error can hold frames, which do not
+    pickle, and the parent of a worker would see "cannot pickle 'frame'
+    object" instead of what went wrong."""
     try:
         return compile_one(job)
-    except ExportError as e:
-        raise ExportError(str(e)) from None
+    except ExportError:
+        raise
     except Exception as e:  # noqa: BLE001  (any compile failure: its type and message cross as text)
         raise ExportError(f"AOTInductor compile of {job.method} failed: {type(e).__name__}: {_short(e)}") from None
 
@@ -330,6 +331,8 @@ def _short(e: Exception, limit: int = 2000) -> str:
 
 
 def _run(fn, *args):
+    """fn(*args), a failure outside the compile itself (a worker that died)
+    as an ExportError."""
     try:
         return fn(*args)
     except ExportError:
