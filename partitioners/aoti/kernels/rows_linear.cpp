@@ -14,8 +14,8 @@
 // bf16 products: widened in registers (a shift) and multiplied by fp32 FMAs,
 // 8 products an instruction; or, in this file's second build (KV_BF16, for
 // CPUs with AVX512-BF16, which the first build's entry calls where the CPU
-// has it), by vdpbf16ps: 16 products of bf16 pairs an instruction, each pair
-// summed into an fp32 lane. Both products of bf16 values are exact in fp32;
+// has it), by vdpbf16ps: 16 products of bf16 pairs an instruction (32 in the
+// 512-bit tiles of 4 rows or more), each pair summed into an fp32 lane. Both products of bf16 values are exact in fp32;
 // the two builds differ only in the order of the fp32 sums.
 //
 // The instruction set is the compiled package's (the build passes inductor's
@@ -35,6 +35,13 @@ constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead the weight rows are fetch
 // runs, a SmolLM2 step's products), it was 8-22% faster with AVX-512 code and
 // with AVX2 code, and bf16 tiles were 1.4-1.7 x faster with it.
 constexpr int64_t BAND = 64;           // weight rows a thread takes at a time
+// vdpbf16ps tiles of this many rows or more take 512-bit vectors: 32 products
+// an instruction. Over 8 rows of a SmolLM2 step's products they ran 1.26 x
+// faster than 256-bit ones on an Intel Xeon with AVX512-BF16 (18.0 against
+// 22.7 ms), and no faster over one row, where the reads bound the step; Zen 4
+// splits a 512-bit instruction in two, so fewer rows keep the 256-bit tiles
+// measured there.
+constexpr int WIDE_FROM = 4;
 constexpr int MR_MAX = REGISTERS == 32 ? 8 : 4;
 
 // weight rows per tile: as many as leave registers for the loads
@@ -112,8 +119,48 @@ static inline void tile_dot(const uint16_t* x, int64_t ldx, const uint16_t* w, i
   for (int i = 0; i < MR; i++)
     for (int j = 0; j < NR; j++) out[i * N + j] = total(acc[i][j]);
 }
+
+// the same with 512-bit vectors: 32 products an instruction (16 pairs), the
+// last K % 32 loaded masked
+template <int MR, int NR>
+static inline void tile_dot_wide(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* out, int64_t N) {
+  __m512 acc[MR][NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+  const uint16_t* ahead = w + PREFETCH_ROWS * K;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh wv[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; j++) {
+      wv[j] = (__m512bh)_mm512_loadu_si512((const void*)(w + j * K + k));
+      prefetch_l2(ahead + j * K + k);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(x + i * ldx + k));
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  if (k < K) {
+    const __mmask32 rest = (__mmask32)((1ull << (K - k)) - 1);
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(rest, w + j * K + k);
+    for (int i = 0; i < MR; i++) {
+      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(rest, x + i * ldx + k);
+      for (int j = 0; j < NR; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  for (int i = 0; i < MR; i++)
+    for (int j = 0; j < NR; j++) out[i * N + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
 constexpr bool DOT = true;
 #else
+template <int MR, int NR>
+static inline void tile_dot_wide(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t) {}
 template <int MR, int NR>
 static inline void tile_dot(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t) {}
 constexpr bool DOT = false;
@@ -125,8 +172,13 @@ static void band(const T* x, int64_t ldx, const T* w, int64_t K, float* out, int
   constexpr int NR = weight_rows<MR>();
   int64_t n = n0;
   if constexpr (DOT && sizeof(T) == 2) {
-    for (; n + NR <= n1; n += NR) tile_dot<MR, NR>(x, ldx, w + n * K, K, out + n, N);
-    for (; n < n1; n++) tile_dot<MR, 1>(x, ldx, w + n * K, K, out + n, N);
+    if constexpr (MR >= WIDE_FROM) {
+      for (; n + NR <= n1; n += NR) tile_dot_wide<MR, NR>(x, ldx, w + n * K, K, out + n, N);
+      for (; n < n1; n++) tile_dot_wide<MR, 1>(x, ldx, w + n * K, K, out + n, N);
+    } else {
+      for (; n + NR <= n1; n += NR) tile_dot<MR, NR>(x, ldx, w + n * K, K, out + n, N);
+      for (; n < n1; n++) tile_dot<MR, 1>(x, ldx, w + n * K, K, out + n, N);
+    }
   } else {
     for (; n + NR <= n1; n += NR) tile<MR, NR>(x, ldx, w + n * K, K, out + n, N);
     for (; n < n1; n++) tile<MR, 1>(x, ldx, w + n * K, K, out + n, N);

@@ -7,7 +7,8 @@
 // registers instead of 16): on the AMD EPYC the kernels were measured on, the
 // 16-float vectors read weights 5-10% slower at 1-4 rows and no faster at 8
 // (Zen 4 splits them in two). What differs by instruction set is the register
-// count the tiles are sized by.
+// count the tiles are sized by. (The exception: rows_linear.cpp's vdpbf16ps
+// tiles of 4 rows or more, bound by arithmetic, not reads, are 512-bit.)
 
 #pragma once
 
