@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import operator
+import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -22,6 +23,7 @@ from kvexport.runtime.step_graphs import StepGraphs
 from kvexport.contract.sampler import check_sampled, sample, sample_argmax
 
 PAD_TOKEN = 0
+OTHERS_PER_TOKEN = "forward_others per token"  # MethodCosts' figure for the dynamic method: its time over its tokens
 
 
 class Session:
@@ -51,6 +53,37 @@ class StepEntry:
     tokens: Sequence[int]
     wants_logits: bool = True
     rows: int = 1
+
+
+class MethodCosts:
+    """How long a call of each method takes on this machine now (seconds,
+    smoothed over its recent calls): what speculative decoding weighs a wider
+    step against (runtime/speculative.py). A method's first call (its
+    warm-up) is not counted, and a figure that no call renewed within the
+    last STALE calls is forgotten, so a method measured once in a slow
+    moment gets tried again. (A CUDA call is timed to its end: the manager
+    waits for it, as the sampler reading its logits would.)"""
+
+    WEIGHT = 0.25  # of the newest call
+    STALE = 64
+
+    def __init__(self) -> None:
+        self._seconds: dict[str, float] = {}
+        self._last: dict[str, int] = {}  # the call count at each method's latest figure
+        self._calls = 0
+
+    def observe(self, method: str, seconds: float) -> None:
+        self._calls += 1
+        if method not in self._last:  # the warm-up
+            self._last[method] = -self.STALE
+            return
+        old = self._seconds.get(method) if self._calls - self._last[method] <= self.STALE else None
+        self._seconds[method] = seconds if old is None else old + self.WEIGHT * (seconds - old)
+        self._last[method] = self._calls
+
+    def of(self, method: str) -> float | None:
+        fresh = self._calls - self._last.get(method, -self.STALE - 1) <= self.STALE
+        return self._seconds.get(method) if fresh else None
 
 
 @dataclass(frozen=True)
@@ -99,6 +132,7 @@ class OffgraphKVManager(IOManager):
         self.device = torch.device(package.device)
         self.allocator = allocator
         self.cells_read = 0  # the C of the last step's calls: the cells they attended over
+        self.costs = MethodCosts()
         self.cache = CellCache(
             geometry, max_cells or package_cells, dtype, md["get_max_context_len"], device=self.device, allocator=allocator
         )
@@ -215,9 +249,17 @@ class OffgraphKVManager(IOManager):
                 masks=masks,
             )
             # a graph copies the host's values into its own buffers; a plain call takes them on the device
+            began = time.perf_counter()
             logits = self.graphs(piece.method, inputs) if graphed else None
             if logits is None:
                 logits = self.package.run(piece.method, *self._on_device(inputs).pack())
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # the sampler reads the logits next anyway
+            seconds = time.perf_counter() - began
+            if piece.method == "forward_others":
+                self.costs.observe(OTHERS_PER_TOKEN, seconds / piece.width)
+            else:
+                self.costs.observe(piece.method, seconds)
             check_output(piece.method, logits, (want, self.vocab_size), torch.float32)
             for i, row in enumerate(rows):
                 out[piece.start + row] = logits[i]

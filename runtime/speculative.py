@@ -31,13 +31,19 @@ grammar's state after the drafts before it.
 
 How far a session drafts adapts to how many of its drafts were kept: two
 more after a round that kept them all, one fewer after one that refused any,
-between 1 and `max_draft`. One step never grows wider than `step_tokens`
-(default: the package's widest static method) for drafts: when the decoding
-sessions fill it, they decode plainly, so speculation costs a busy batch
-nothing. Prompt lookup's drafts cost nothing to make, and a static method
-pads a narrower step to its width at the same cost, so lookup drafts grow
-into that padding whatever their sessions' widths (a lone session whose
-steps run on forward_8 checks up to 7 drafts a step).
+between 1 and `max_draft`. How wide a step grows for drafts adapts to what
+its methods cost on this machine now (`plan_drafts`): each static method's
+calls are timed as they run, and a step takes the width, up to
+`step_tokens` (default: the package's widest static method), that is
+expected to decode the most tokens a second: the sessions' own and the
+drafts each is expected to keep (from its recent acceptance), over the
+method's time and the draft package's steps. While a step is bound by
+reading the weights, a wider one costs little more and drafts pay; when the
+decoding sessions fill a step, the wider methods cost what their rows do, and
+the sessions decode plainly, so speculation costs a busy batch nothing.
+Prompt lookup's drafts cost nothing to make, so they also fill what a
+method would pad (a lone session whose steps run on forward_8 checks up to 7
+drafts a step).
 """
 
 from __future__ import annotations
@@ -51,9 +57,11 @@ from kvexport.contract.errors import CapacityError, KvexportError
 from kvexport.contract.package import TOKENIZER_DIR
 from kvexport.contract.sampler import SamplingConfig, draw, params_row, probabilities
 from kvexport.runtime.grammar import Constraint, Grammar, apply_draft_masks, apply_masks, valid_drafts
-from kvexport.runtime.offgraph import OffgraphKVManager, Session, StepEntry
+from kvexport.runtime.offgraph import OTHERS_PER_TOKEN, OffgraphKVManager, Session, StepEntry
 
 MODES = ("lookup", "draft")
+CATCH_UP_ALONE = 8  # a draft's feed longer than this (it catches up on a prompt) runs in a step of its own
+RECENT = 0.9  # how much a round's drafts weigh on the next round's estimate of a sequence's acceptance
 
 
 @dataclass
@@ -61,10 +69,18 @@ class SpeculationStats:
     rounds: int = 0  # session-rounds that drafted at least one token
     drafted: int = 0
     accepted: int = 0
+    refusals: int = 0  # rounds whose drafts the target refused one of
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def keep_rate(self) -> float:
+        """How often a draft is kept when every one before it was, over
+        every sequence so far: a new sequence's first estimate (a half
+        before any)."""
+        return (self.accepted + 1) / (self.accepted + self.refusals + 2)
 
 
 @dataclass
@@ -175,10 +191,26 @@ class Drafting:
     width: int = 4  # drafts it asks for next round
     draft_session: Session | None = None
     draft_fed: int = 0  # context tokens the draft session's cells hold
+    # drafts kept and rounds ended by a refused draft, recent rounds weighing most, and the keep rate
+    # assumed before them (SpeculationStats.keep_rate when the sequence began)
+    kept: float = 0.0
+    refused: float = 0.0
+    prior: float = 0.5
 
     @property
     def pending(self) -> int:
         return self.context.tokens[-1]
+
+    def expected_kept(self, k: int) -> float:
+        """How many of k drafts the target is expected to keep: each is kept
+        with the rate of this sequence's recent drafts (the prior before
+        any), and only while every one before it was."""
+        rate = (self.kept + 2 * self.prior) / (self.kept + self.refused + 2)  # below 1
+        return rate * (1 - rate**k) / (1 - rate)
+
+    def record(self, drafted: int, kept: int) -> None:
+        self.kept = RECENT * self.kept + kept
+        self.refused = RECENT * self.refused + (kept < drafted)
 
 
 def allot(states: Sequence[Drafting], room: Sequence[int], width: int, sizes: Sequence[int] = ()) -> list[int]:
@@ -202,6 +234,96 @@ def allot(states: Sequence[Drafting], room: Sequence[int], width: int, sizes: Se
         allowed[i] += more
         total += more
     return allowed
+
+
+def plan_drafts(states: Sequence[Drafting], left: Sequence[int], max_draft: int, others: int,
+                target: OffgraphKVManager, draft: OffgraphKVManager | None, width: int) -> list[int]:
+    """Drafts each sequence makes in a step of decoding sessions alone (the
+    drafting ones, each with `left` tokens it may still emit, and
+    `others`): the allotment (a step's width up to `width` tokens, and the
+    most drafts a sequence makes, up to `max_draft`) whose step is expected
+    to decode the most tokens a second.
+
+    A step costs its static method's measured time (the target's
+    MethodCosts; a method not measured lately costs what the nearest
+    narrower one measured, so it gets tried; before any is measured, every
+    width costs the same) and, with a draft package, a draft step per round
+    of drafts, and the draft's prefill of what a sequence's draft cells
+    lack (after a prompt, or steps without drafts), shared among the steps
+    left to that sequence; a draft package drafts only once a step's cost
+    is measured. Its tokens are the sessions' own and the drafts
+    each is expected to keep. While a step is bound by reading the weights
+    a wider one costs little more and drafts pay; when the sessions fill
+    the step, wider methods cost what their rows do and the step decodes
+    plainly. Prompt lookup's drafts cost nothing to make: they also fill
+    what the method would pad."""
+    sessions = len(states) + others
+    plain = _narrowest(target, sessions)
+    if not states or plain is None or plain > width:
+        return [0] * len(states)
+    room = [max(min(n - 1, max_draft), 0) for n in left]
+    if draft is None:  # what lookup can propose
+        room = [min(r, len(s.context.propose(r))) for s, r in zip(states, room)]
+    if draft is not None and not _measured(target):
+        return [0] * len(states)  # a draft package's steps cost time: not before a plain step has a measured cost
+    best, best_rate = [0] * len(states), sessions / _seconds(target, plain, 1.0)
+    most_kept = sum(s.expected_kept(r) for s, r in zip(states, room))
+    # the draft's prefill per token, or, before it has measured one, the target's (a draft reads fewer bytes, but
+    # a prompt's products are bound by arithmetic: a 4w SmolLM2 prefills at about the fp32 one's rate)
+    per_token = 0.0
+    if draft is not None:
+        per_token = draft.costs.of(OTHERS_PER_TOKEN) or target.costs.of(OTHERS_PER_TOKEN) or 0.0
+    catch_up = [per_token * max(len(s.context.tokens) - s.draft_fed - 1, 0) / max(n, 1) for s, n in zip(states, left)]
+    least_draft = _seconds(draft, 1, 0.0) if draft is not None else 0.0  # a draft step's least cost
+    for n in (n for n in target.static_sizes if sessions < n <= width):
+        if (sessions + most_kept) / max(_seconds(target, n, 1.0) + least_draft, 1e-9) <= best_rate:
+            continue  # no drafts pay for this width (a wider method costs at least a narrower one's time)
+        last = 0.0
+        for most in range(1, max(room, default=0) + 1) if draft is not None else [max(room, default=0)]:
+            allowed = allot(states, [min(r, most) for r in room], n - others, [n - others] if draft is None else ())
+            kept = [s.expected_kept(k) for s, k in zip(states, allowed)]
+            seconds = _seconds(target, _narrowest(target, sessions + sum(allowed)), 1.0)
+            if draft is not None:
+                seconds += _draft_seconds(draft, allowed)
+                seconds += sum(c * (1 + e) for c, e, k in zip(catch_up, kept, allowed) if k)
+            rate = (sessions + sum(kept)) / max(seconds, 1e-9)
+            if rate > best_rate:
+                best, best_rate = allowed, rate
+            if rate < last:
+                break  # each draft further is kept less often: past the best round count, the rate only falls
+            last = rate
+    return best
+
+
+def _narrowest(manager: OffgraphKVManager, tokens: int) -> int | None:
+    return next((n for n in manager.static_sizes if n >= tokens), None)
+
+
+def _measured(manager: OffgraphKVManager) -> bool:
+    return any(manager.costs.of(f"forward_{m}") is not None for m in manager.static_sizes)
+
+
+def _seconds(manager: OffgraphKVManager, n: int, unmeasured: float) -> float:
+    """forward_n's measured time; for one not measured, the nearest narrower
+    method's, else the cheapest measured (optimistic, so it gets tried);
+    `unmeasured` when the manager has measured none yet."""
+    known = {m: manager.costs.of(f"forward_{m}") for m in manager.static_sizes}
+    known = {m: seconds for m, seconds in known.items() if seconds is not None}
+    if not known:
+        return unmeasured
+    narrower = [m for m in known if m <= n]
+    return known[max(narrower)] if narrower else min(known.values())
+
+
+def _draft_seconds(draft: OffgraphKVManager, allowed: Sequence[int]) -> float:
+    """The draft package's steps for these drafts: one a round, over the
+    sequences still drafting (the first round's catch-up on what its cells
+    lack not counted). Before it has measured any, nothing."""
+    seconds = 0.0
+    for round_ in range(1, max(allowed) + 1):
+        n = _narrowest(draft, sum(k >= round_ for k in allowed))
+        seconds += _seconds(draft, n, 0.0) if n is not None else 0.0
+    return seconds
 
 
 def propose(states: Sequence[Drafting], allowed: Sequence[int], draft: OffgraphKVManager | None,
@@ -229,21 +351,31 @@ def _draft_tokens(draft: OffgraphKVManager, states: Sequence[Drafting], allowed:
     dists: list[list[torch.Tensor]] = [[] for _ in states]
     feed = {i: s.context.tokens[s.draft_fed :] for i, (s, k) in enumerate(zip(states, allowed)) if k}
     while feed:
-        order = list(feed)
-        logits = draft.step([StepEntry(states[i].draft_session, feed[i], True) for i in order])
-        for i, row in zip(order, logits):
-            state = states[i]
-            if not drafts[i]:
-                state.draft_fed = len(state.context.tokens)
-            if samplings[i].greedy:
-                token = int(torch.argmax(row))
-            else:
-                q = probabilities(row.unsqueeze(0), samplings[i])[0]
-                token = draw(q, float(torch.rand((), generator=state.generator)))
-                dists[i].append(q)
-            drafts[i].append(token)
-        feed = {i: [drafts[i][-1]] for i in order if len(drafts[i]) < allowed[i]}
+        # a sequence catching up on a long text (a prompt) is fed alone: in one step with others, each one's rows
+        # would be scored against every cell of theirs (a dense mask), 2.8 x slower for 16 prompts of 220 tokens
+        alone = [[i] for i in feed if len(feed[i]) > CATCH_UP_ALONE]
+        together = [i for i in feed if len(feed[i]) <= CATCH_UP_ALONE]
+        for order in alone + ([together] if together else []):
+            logits = draft.step([StepEntry(states[i].draft_session, feed[i], True) for i in order])
+            _take_drafts(order, logits, states, samplings, drafts, dists)
+        feed = {i: [drafts[i][-1]] for i in feed if len(drafts[i]) < allowed[i]}
     return drafts, [torch.stack(d) if d else None for d in dists]
+
+
+def _take_drafts(order: Sequence[int], logits: Sequence[torch.Tensor], states: Sequence[Drafting],
+                 samplings: Sequence[SamplingConfig], drafts: list[list[int]], dists: list[list[torch.Tensor]]) -> None:
+    """Each sequence's next draft from the draft package's logits for it."""
+    for i, row in zip(order, logits):
+        state = states[i]
+        if not drafts[i]:
+            state.draft_fed = len(state.context.tokens)
+        if samplings[i].greedy:
+            token = int(torch.argmax(row))
+        else:
+            q = probabilities(row.unsqueeze(0), samplings[i])[0]
+            token = draw(q, float(torch.rand((), generator=state.generator)))
+            dists[i].append(q)
+        drafts[i].append(token)
 
 
 def verify(manager: OffgraphKVManager, states: Sequence[Drafting], drafts: Sequence[list[int]],
@@ -291,6 +423,8 @@ def settle(manager: OffgraphKVManager, session: Session, draft: OffgraphKVManage
         stats.rounds += 1
         stats.drafted += drafted
         stats.accepted += kept
+        stats.refusals += kept < drafted
+        state.record(drafted, kept)
         state.width = min(state.width + 2, max_draft) if kept == drafted else max(state.width - 1, 1)
     manager.rewind(session, session.length - (drafted - kept))
     if draft is not None and state.draft_session is not None:
@@ -335,7 +469,7 @@ def generate_speculative(
     try:
         for i, prompt in enumerate(prompts):
             drafting = Drafting(NgramIndex(prompt, speculation.ngram), torch.Generator().manual_seed(seed + i),
-                                width=min(4, speculation.max_draft))
+                                width=min(4, speculation.max_draft), prior=speculation.stats.keep_rate)
             constraint = grammar.constraint() if grammar is not None else None
             tracks.append(_Track(i, manager.new_session(), drafting, max_new_tokens, constraint))
             if draft is not None:
@@ -349,9 +483,8 @@ def generate_speculative(
         while active:
             states = [t.drafting for t in active]
             samplings = [sampling] * len(active)
-            free = manager.static_sizes if draft is None else ()  # lookup's drafts cost nothing to make
-            room = [min(t.limit - len(t.emitted) - 1, speculation.max_draft) for t in active]
-            allowed = allot(states, room, width, free)
+            left = [t.limit - len(t.emitted) for t in active]
+            allowed = plan_drafts(states, left, speculation.max_draft, 0, manager, draft, width)
             drafts, qs = propose(states, allowed, draft, samplings)
             constraints = [t.constraint for t in active]
             drafts = cut_to_grammar(constraints, drafts, qs)

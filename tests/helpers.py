@@ -49,3 +49,15 @@ def export_tiny(model: str, out, *, check_package=_check_package, transform_pass
 def prompt_of(length: int, seed: int, vocab: int = 1031) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (length,), generator=g).tolist()
+
+
+def drafts_cost_nothing(monkeypatch) -> None:
+    """Speculative decoding drafts as much as each step's width allows: no
+    call is timed, so every width costs the same, and a draft package's
+    steps cost nothing (runtime/speculative.py, plan_drafts)."""
+    import kvexport.runtime.speculative as speculative
+    from kvexport.runtime.offgraph import MethodCosts
+
+    monkeypatch.setattr(MethodCosts, "observe", lambda self, method, seconds: None)
+    monkeypatch.setattr(speculative, "_measured", lambda manager: True)
+    monkeypatch.setattr(speculative, "_draft_seconds", lambda draft, allowed: 0.0)

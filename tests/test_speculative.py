@@ -11,12 +11,19 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from helpers import prompt_of
+from helpers import drafts_cost_nothing, prompt_of
 from kvexport.cli.main import main
 from kvexport.contract.errors import KvexportError
 from kvexport.contract.sampler import SamplingConfig, draw, probabilities
 from kvexport.runtime import StepEntry, generate, load
-from kvexport.runtime.speculative import NgramIndex, Speculation, accept
+from kvexport.runtime.speculative import Drafting, NgramIndex, Speculation, accept
+
+
+@pytest.fixture(autouse=True)
+def costless(monkeypatch):
+    """The exactness tests check drafts whatever the tiny models' step times
+    say (tests/test_step_costs.py tests how costs decide them)."""
+    drafts_cost_nothing(monkeypatch)
 
 
 def runtime_of(tiny_package, model, **recipe):
@@ -71,6 +78,21 @@ def test_drafts_that_agree_are_kept_and_save_steps(tiny_package, model, monkeypa
     assert generate(runtime, [prompt], 30, speculation=speculation) == [want]
     assert speculation.stats.accepted >= speculation.stats.drafted // 2 > 0
     assert len(steps) < 20  # one step per token without drafts: 30
+
+
+def test_a_draft_catches_up_on_each_prompt_in_a_step_of_its_own(tiny_package):
+    """A draft's feed of a prompt runs alone (in one step, each prompt's
+    rows would be scored against every prompt's cells)."""
+    target = runtime_of(tiny_package, "tiny-llama")
+    draft = runtime_of(tiny_package, "tiny-llama", qlinear="8w", qembedding="8w")
+    steps = []
+    original = draft.step
+    draft.step = lambda entries: steps.append(sorted(len(e.tokens) for e in entries)) or original(entries)
+    prompts = [prompt_of(20, seed=s) for s in (1, 2, 3)]
+    want = [generate(target, [p], 6)[0] for p in prompts]
+    assert generate(target, prompts, 6, speculation=Speculation("draft", draft=draft)) == want
+    catching_up = [widths for widths in steps if max(widths) > 8]
+    assert len(catching_up) >= 2 and all(len(widths) == 1 for widths in catching_up), steps
 
 
 def test_a_draft_package_gives_greedy_tokens(tiny_package):
@@ -141,7 +163,7 @@ def test_lookup_drafts_grow_into_the_padding_of_the_steps_method():
     """allot: widths first (the surest drafter first, within the step's
     spare width and each room); with the static sizes, the drafts then fill
     the narrowest method that holds the step, never past `width` or a room."""
-    from kvexport.runtime.speculative import Drafting, allot
+    from kvexport.runtime.speculative import allot
 
     def states(*widths):
         return [Drafting(NgramIndex([], 3), torch.Generator(), width=w) for w in widths]

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from helpers import export_tiny
+from helpers import drafts_cost_nothing, export_tiny
 from kvexport.cli.main import main
 from kvexport.contract.errors import KvexportError
 from kvexport.contract.sampler import SamplingConfig
@@ -30,6 +30,13 @@ SCHEMAS = [
      "maximum": 1}, "y": {"enum": [1, 2]}}, "required": ["x", "y"], "additionalProperties": False}},
      "required": ["point"], "additionalProperties": False},
 ]
+
+
+@pytest.fixture(autouse=True)
+def costless(monkeypatch):
+    """The exactness tests check drafts whatever the tiny models' step times
+    say (tests/test_step_costs.py tests how costs decide them)."""
+    drafts_cost_nothing(monkeypatch)
 
 
 def byte_tokenizer(directory, vocab_size: int = 1031):

@@ -37,7 +37,7 @@ from kvexport.runtime.server.prefix_cache import Holder, PrefixCache
 from kvexport.runtime.server.state import restore_sessions, save_sessions
 from kvexport.runtime.grammar import Constraint, Grammar, apply_draft_masks, apply_masks
 from kvexport.runtime.speculative import (
-    Drafting, NgramIndex, Speculation, allot, cut_to_grammar, propose, settle, verify,
+    Drafting, NgramIndex, Speculation, allot, cut_to_grammar, plan_drafts, propose, settle, verify,
 )
 from kvexport.runtime.text import StopMatcher, Text, TextStream
 
@@ -441,7 +441,8 @@ class Engine:
             choice.constraint = job.request.grammar.constraint()
         spec = self.speculation
         if spec is not None:
-            choice.drafting = Drafting(NgramIndex(job.request.prompt, spec.ngram), generator, width=min(4, spec.max_draft))
+            choice.drafting = Drafting(NgramIndex(job.request.prompt, spec.ngram), generator, width=min(4, spec.max_draft),
+                                       prior=spec.stats.keep_rate)
             if self.draft is not None:
                 self._draft_session(choice, list(job.request.prompt))
         return choice
@@ -484,7 +485,7 @@ class Engine:
         rows: list[tuple[_Job, _Choice, torch.Tensor]] = []
         checked: list[tuple[_Job, _Choice, list[int], torch.Tensor | None, torch.Tensor]] = []
         for k, ((job, choice), entry, row) in enumerate(zip(due, entries, logits)):
-            if choice is not None and choice.drafting is not None:
+            if choice is not None and drafts[k]:
                 checked.append((job, choice, drafts[k], qs[k], row if row.dim() == 2 else row.unsqueeze(0)))
                 continue
             if choice is not None:
@@ -512,26 +513,22 @@ class Engine:
             self.on_step(StepStats(tokens, decodes, model_seconds, own, self.manager.cells_read))
 
     def _drafts(self, due: list[tuple[_Job, _Choice | None]]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Each decoding choice's drafts (none without speculation, or when
-        the decoding choices fill the step), cut where a grammar refuses them."""
+        """Each decoding choice's drafts (none without speculation; as many as
+        plan_drafts finds pay for the step), cut where a grammar refuses them."""
         if self.speculation is None or not due:
-            return [[] for _ in due], [None] * len(due)
-        if self.draft is not None and 2 * len(due) > self.draft_width:
-            # a draft package's steps cost time of their own: under load they
-            # cost more than the few drafts the step has room for bring
-            # (bench/serve.py --speculative draft: 16 clients 0.925 x plain)
             return [[] for _ in due], [None] * len(due)
         drafting = [(k, job, choice) for k, (job, choice) in enumerate(due) if choice.drafting is not None]
         states = [choice.drafting for _, _, choice in drafting]
-        room = [min(job.request.max_tokens - len(choice.output) - 1, self.speculation.max_draft)
-                for _, job, choice in drafting]
-        others = len(due) - len(drafting)
-        # lookup's drafts cost nothing to make: they fill what the step's static method pads, unless a
-        # prompt slice joins the step (it then runs on forward_others, whose cost grows with its tokens)
-        free: list[int] = []
-        if self.draft is None and not any(job.prefilling for job in self._running):
-            free = [n - others for n in self.manager.static_sizes]
-        allowed = allot(states, room, self.draft_width - others, free)
+        left = [job.request.max_tokens - len(choice.output) for _, job, choice in drafting]
+        others, most = len(due) - len(drafting), self.speculation.max_draft
+        if not any(job.prefilling for job in self._running):
+            allowed = plan_drafts(states, left, most, others, self.manager, self.draft, self.draft_width)
+        elif self.draft is None:
+            # a prompt slice joins the step, on forward_others, whose cost grows with its tokens: lookup's drafts
+            # fit in beside it; a draft package's steps would keep the prompt waiting
+            allowed = allot(states, [max(min(n - 1, most), 0) for n in left], self.draft_width - others)
+        else:
+            allowed = [0] * len(states)
         if self.draft is not None:  # room in the draft's pool for what its sessions lack and draft
             need = sum(len(s.context.tokens) - s.draft_fed + k for s, k in zip(states, allowed) if k)
             while self.draft.cache.free_cells < need and self.draft_prefix.evict_one():
