@@ -61,7 +61,12 @@ from kvexport.runtime.offgraph import OTHERS_PER_TOKEN, OffgraphKVManager, Sessi
 
 MODES = ("lookup", "draft")
 CATCH_UP_ALONE = 8  # a draft's feed longer than this (it catches up on a prompt) runs in a step of its own
-RECENT = 0.9  # how much a round's drafts weigh on the next round's estimate of a sequence's acceptance
+# how much a sequence's earlier rounds weigh against its last in its estimate of acceptance: lookup's drafts
+# come in bursts (a span it copies, then text of its own), a draft package's are steadier
+RECENT = {"lookup": 0.5, "draft": 0.9}
+# the keep rate assumed before any round: a draft package is one chosen for agreeing with the target (the 4w
+# SmolLM2 keeps 0.85-0.9 of its drafts for the fp32 one); lookup's guesses are right less often
+PRIOR = {"lookup": 0.5, "draft": 0.8}
 
 
 @dataclass
@@ -70,17 +75,48 @@ class SpeculationStats:
     drafted: int = 0
     accepted: int = 0
     refusals: int = 0  # rounds whose drafts the target refused one of
+    # per draft position j (from 0): rounds that checked a j-th draft after keeping every one before it, and
+    # those that kept it too
+    reached: list[int] = field(default_factory=list)
+    passed: list[int] = field(default_factory=list)
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    def count(self, drafted: int, kept: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += kept
+        self.refusals += kept < drafted
+        while len(self.reached) < drafted:
+            self.reached.append(0)
+            self.passed.append(0)
+        for j in range(min(kept + 1, drafted)):
+            self.reached[j] += 1
+            self.passed[j] += j < kept
+
+    def expected_kept(self, k: int) -> float:
+        """How many of k drafts are kept, from how often each position was
+        kept once reached, over every sequence so far (where a position has
+        few rounds, the overall keep rate stands in): a draft package's
+        drafts are kept alike whatever the text, more surely the further a
+        round's run of agreement goes than one rate would say."""
+        prior, expected, survive = self.keep_rate, 0.0, 1.0
+        for j in range(k):
+            reached, passed = (self.reached[j], self.passed[j]) if j < len(self.reached) else (0, 0)
+            survive *= (passed + 2 * prior) / (reached + 2)
+            expected += survive
+        return expected
+
+    prior: float = 0.5  # the keep rate assumed before any round
+
     @property
     def keep_rate(self) -> float:
         """How often a draft is kept when every one before it was, over
-        every sequence so far: a new sequence's first estimate (a half
+        every sequence so far: a new sequence's first estimate (`prior`
         before any)."""
-        return (self.accepted + 1) / (self.accepted + self.refusals + 2)
+        return (self.accepted + 2 * self.prior) / (self.accepted + self.refusals + 2)
 
 
 @dataclass
@@ -94,6 +130,10 @@ class Speculation:
     ngram: int = 3
     step_tokens: int | None = None
     stats: SpeculationStats = field(default_factory=SpeculationStats)
+
+    def __post_init__(self) -> None:
+        if self.mode in PRIOR:
+            self.stats.prior = PRIOR[self.mode]
 
     def check(self, target: OffgraphKVManager) -> None:
         if self.mode not in MODES:
@@ -196,6 +236,9 @@ class Drafting:
     kept: float = 0.0
     refused: float = 0.0
     prior: float = 0.5
+    guess: int | None = None  # lookup's proposal for the next token in a step without drafts
+    recent: float = RECENT["draft"]
+    shared: SpeculationStats | None = None  # a draft package's: every sequence's rounds estimate each one's
 
     @property
     def pending(self) -> int:
@@ -204,13 +247,25 @@ class Drafting:
     def expected_kept(self, k: int) -> float:
         """How many of k drafts the target is expected to keep: each is kept
         with the rate of this sequence's recent drafts (the prior before
-        any), and only while every one before it was."""
+        any), and only while every one before it was; with `shared`, as
+        every sequence's rounds say."""
+        if self.shared is not None:
+            return self.shared.expected_kept(k)
         rate = (self.kept + 2 * self.prior) / (self.kept + self.refused + 2)  # below 1
         return rate * (1 - rate**k) / (1 - rate)
 
     def record(self, drafted: int, kept: int) -> None:
-        self.kept = RECENT * self.kept + kept
-        self.refused = RECENT * self.refused + (kept < drafted)
+        self.kept = self.recent * self.kept + kept
+        self.refused = self.recent * self.refused + (kept < drafted)
+
+    def extend(self, token: int) -> None:
+        """A token the sequence emitted joins its text; a step without drafts
+        still tells how lookup's guess would have fared (its drafts cost
+        nothing to make, so a sequence copying its input again resumes them)."""
+        if self.guess is not None:
+            self.record(1, int(self.guess == token))
+            self.guess = None
+        self.context.extend([token])
 
 
 def allot(states: Sequence[Drafting], room: Sequence[int], width: int, sizes: Sequence[int] = ()) -> list[int]:
@@ -266,32 +321,36 @@ def plan_drafts(states: Sequence[Drafting], left: Sequence[int], max_draft: int,
         room = [min(r, len(s.context.propose(r))) for s, r in zip(states, room)]
     if draft is not None and not _measured(target):
         return [0] * len(states)  # a draft package's steps cost time: not before a plain step has a measured cost
-    best, best_rate = [0] * len(states), sessions / _seconds(target, plain, 1.0)
-    most_kept = sum(s.expected_kept(r) for s, r in zip(states, room))
+    cost = _costs(target, 1.0)
+    draft_cost = _costs(draft, 0.0) if draft is not None else {}
+    best, best_rate = [0] * len(states), sessions / cost[plain]
+    expected = [[0.0] * (r + 1) for r in room]  # expected[i][k]: of k drafts, how many sequence i keeps
+    for state, table in zip(states, expected):
+        for k in range(1, len(table)):
+            table[k] = state.expected_kept(k)
+    most_kept = sum(table[-1] for table in expected)
     # the draft's prefill per token, or, before it has measured one, the target's (a draft reads fewer bytes, but
     # a prompt's products are bound by arithmetic: a 4w SmolLM2 prefills at about the fp32 one's rate)
     per_token = 0.0
     if draft is not None:
         per_token = draft.costs.of(OTHERS_PER_TOKEN) or target.costs.of(OTHERS_PER_TOKEN) or 0.0
     catch_up = [per_token * max(len(s.context.tokens) - s.draft_fed - 1, 0) / max(n, 1) for s, n in zip(states, left)]
-    least_draft = _seconds(draft, 1, 0.0) if draft is not None else 0.0  # a draft step's least cost
+    least_draft = min(draft_cost.values(), default=0.0)  # a draft step's least cost
     for n in (n for n in target.static_sizes if sessions < n <= width):
-        if (sessions + most_kept) / max(_seconds(target, n, 1.0) + least_draft, 1e-9) <= best_rate:
+        if (sessions + most_kept) / max(cost[n] + least_draft, 1e-9) <= best_rate:
             continue  # no drafts pay for this width (a wider method costs at least a narrower one's time)
-        last = 0.0
         for most in range(1, max(room, default=0) + 1) if draft is not None else [max(room, default=0)]:
             allowed = allot(states, [min(r, most) for r in room], n - others, [n - others] if draft is None else ())
-            kept = [s.expected_kept(k) for s, k in zip(states, allowed)]
-            seconds = _seconds(target, _narrowest(target, sessions + sum(allowed)), 1.0)
+            kept = [table[k] for table, k in zip(expected, allowed)]
+            seconds = cost[_narrowest(target, sessions + sum(allowed))]
             if draft is not None:
-                seconds += _draft_seconds(draft, allowed)
+                seconds += _draft_seconds(draft, draft_cost, allowed)
                 seconds += sum(c * (1 + e) for c, e, k in zip(catch_up, kept, allowed) if k)
             rate = (sessions + sum(kept)) / max(seconds, 1e-9)
             if rate > best_rate:
                 best, best_rate = allowed, rate
-            if rate < last:
-                break  # each draft further is kept less often: past the best round count, the rate only falls
-            last = rate
+    for state, k, r in zip(states, best, room):
+        state.guess = state.context.propose(1)[0] if draft is None and r and not k else None
     return best
 
 
@@ -303,26 +362,28 @@ def _measured(manager: OffgraphKVManager) -> bool:
     return any(manager.costs.of(f"forward_{m}") is not None for m in manager.static_sizes)
 
 
-def _seconds(manager: OffgraphKVManager, n: int, unmeasured: float) -> float:
-    """forward_n's measured time; for one not measured, the nearest narrower
-    method's, else the cheapest measured (optimistic, so it gets tried);
-    `unmeasured` when the manager has measured none yet."""
+def _costs(manager: OffgraphKVManager, unmeasured: float) -> dict[int, float]:
+    """Each static method's measured time; for one not measured, the
+    nearest narrower method's, else the cheapest measured (optimistic, so it
+    gets tried); `unmeasured` when the manager has measured none yet."""
     known = {m: manager.costs.of(f"forward_{m}") for m in manager.static_sizes}
     known = {m: seconds for m, seconds in known.items() if seconds is not None}
     if not known:
-        return unmeasured
-    narrower = [m for m in known if m <= n]
-    return known[max(narrower)] if narrower else min(known.values())
+        return {m: unmeasured for m in manager.static_sizes}
+    out, last = {}, min(known.values())
+    for m in manager.static_sizes:
+        last = out[m] = known.get(m, last)
+    return out
 
 
-def _draft_seconds(draft: OffgraphKVManager, allowed: Sequence[int]) -> float:
+def _draft_seconds(draft: OffgraphKVManager, cost: dict[int, float], allowed: Sequence[int]) -> float:
     """The draft package's steps for these drafts: one a round, over the
     sequences still drafting (the first round's catch-up on what its cells
-    lack not counted). Before it has measured any, nothing."""
+    lack counted apart)."""
     seconds = 0.0
     for round_ in range(1, max(allowed) + 1):
         n = _narrowest(draft, sum(k >= round_ for k in allowed))
-        seconds += _seconds(draft, n, 0.0) if n is not None else 0.0
+        seconds += cost[n] if n is not None else 0.0
     return seconds
 
 
@@ -420,10 +481,7 @@ def settle(manager: OffgraphKVManager, session: Session, draft: OffgraphKVManage
     pending token and the kept drafts, the draft's cells what agrees with
     them. Call before the new tokens join the context."""
     if drafted:
-        stats.rounds += 1
-        stats.drafted += drafted
-        stats.accepted += kept
-        stats.refusals += kept < drafted
+        stats.count(drafted, kept)
         state.record(drafted, kept)
         state.width = min(state.width + 2, max_draft) if kept == drafted else max(state.width - 1, 1)
     manager.rewind(session, session.length - (drafted - kept))
@@ -469,7 +527,9 @@ def generate_speculative(
     try:
         for i, prompt in enumerate(prompts):
             drafting = Drafting(NgramIndex(prompt, speculation.ngram), torch.Generator().manual_seed(seed + i),
-                                width=min(4, speculation.max_draft), prior=speculation.stats.keep_rate)
+                                width=min(4, speculation.max_draft), prior=speculation.stats.keep_rate,
+                                recent=RECENT[speculation.mode],
+                                shared=speculation.stats if speculation.mode == "draft" else None)
             constraint = grammar.constraint() if grammar is not None else None
             tracks.append(_Track(i, manager.new_session(), drafting, max_new_tokens, constraint))
             if draft is not None:
@@ -514,7 +574,7 @@ def _emit(track: _Track, tokens: list[int], manager: OffgraphKVManager, stop_at_
         if track.constraint is not None:
             track.constraint.advance(token)
         track.emitted.append(token)
-        track.drafting.context.extend([token])
+        track.drafting.extend(token)
         outputs[track.index].append(token)
         if on_token is not None:
             on_token(track.index, token)

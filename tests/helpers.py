@@ -60,4 +60,4 @@ def drafts_cost_nothing(monkeypatch) -> None:
 
     monkeypatch.setattr(MethodCosts, "observe", lambda self, method, seconds: None)
     monkeypatch.setattr(speculative, "_measured", lambda manager: True)
-    monkeypatch.setattr(speculative, "_draft_seconds", lambda draft, allowed: 0.0)
+    monkeypatch.setattr(speculative, "_draft_seconds", lambda draft, cost, allowed: 0.0)

@@ -37,7 +37,7 @@ from kvexport.runtime.server.prefix_cache import Holder, PrefixCache
 from kvexport.runtime.server.state import restore_sessions, save_sessions
 from kvexport.runtime.grammar import Constraint, Grammar, apply_draft_masks, apply_masks
 from kvexport.runtime.speculative import (
-    Drafting, NgramIndex, Speculation, allot, cut_to_grammar, plan_drafts, propose, settle, verify,
+    RECENT, Drafting, NgramIndex, Speculation, allot, cut_to_grammar, plan_drafts, propose, settle, verify,
 )
 from kvexport.runtime.text import StopMatcher, Text, TextStream
 
@@ -442,7 +442,8 @@ class Engine:
         spec = self.speculation
         if spec is not None:
             choice.drafting = Drafting(NgramIndex(job.request.prompt, spec.ngram), generator, width=min(4, spec.max_draft),
-                                       prior=spec.stats.keep_rate)
+                                       prior=spec.stats.keep_rate, recent=RECENT[spec.mode],
+                                       shared=spec.stats if spec.mode == "draft" else None)
             if self.draft is not None:
                 self._draft_session(choice, list(job.request.prompt))
         return choice
@@ -600,7 +601,7 @@ class Engine:
                 return
         choice.output.append(token)
         if choice.drafting is not None:
-            choice.drafting.context.extend([token])
+            choice.drafting.extend(token)
         if self.on_token_times is not None:
             first = len(choice.output) == 1
             self.on_token_times(now - job.arrival if first else None, None if first else now - choice.last_token_time)
