@@ -65,7 +65,7 @@ class MethodCosts:
     waits for it, as the sampler reading its logits would.)"""
 
     WEIGHT = 0.25  # of the newest call
-    STALE = 64
+    STALE = 256  # calls: at 16 sessions a step, a method measured dear is tried again every 10 s or so
 
     def __init__(self) -> None:
         self._seconds: dict[str, float] = {}

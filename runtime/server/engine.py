@@ -37,7 +37,7 @@ from kvexport.runtime.server.prefix_cache import Holder, PrefixCache
 from kvexport.runtime.server.state import restore_sessions, save_sessions
 from kvexport.runtime.grammar import Constraint, Grammar, apply_draft_masks, apply_masks
 from kvexport.runtime.speculative import (
-    RECENT, Drafting, NgramIndex, Speculation, allot, cut_to_grammar, plan_drafts, propose, settle, verify,
+    RECENT, Drafting, NgramIndex, Speculation, cut_to_grammar, plan_drafts, propose, settle, verify,
 )
 from kvexport.runtime.text import StopMatcher, Text, TextStream
 
@@ -521,15 +521,14 @@ class Engine:
         drafting = [(k, job, choice) for k, (job, choice) in enumerate(due) if choice.drafting is not None]
         states = [choice.drafting for _, _, choice in drafting]
         left = [job.request.max_tokens - len(choice.output) for _, job, choice in drafting]
-        others, most = len(due) - len(drafting), self.speculation.max_draft
-        if not any(job.prefilling for job in self._running):
-            allowed = plan_drafts(states, left, most, others, self.manager, self.draft, self.draft_width)
-        elif self.draft is None:
-            # a prompt slice joins the step, on forward_others, whose cost grows with its tokens: lookup's drafts
-            # fit in beside it; a draft package's steps would keep the prompt waiting
-            allowed = allot(states, [max(min(n - 1, most), 0) for n in left], self.draft_width - others)
-        else:
+        others = len(due) - len(drafting)
+        if any(job.prefilling for job in self._running):
+            # a prompt slice joins the step, on forward_others, whose time grows with every row: drafts there
+            # cost what a prompt's tokens do (bench/serve.py --speculative lookup, 16 clients: 0.93 x with them)
             allowed = [0] * len(states)
+        else:
+            allowed = plan_drafts(states, left, self.speculation.max_draft, others, self.manager, self.draft,
+                                  self.draft_width)
         if self.draft is not None:  # room in the draft's pool for what its sessions lack and draft
             need = sum(len(s.context.tokens) - s.draft_fed + k for s, k in zip(states, allowed) if k)
             while self.draft.cache.free_cells < need and self.draft_prefix.evict_one():
