@@ -23,6 +23,8 @@
 
 #include <omp.h>
 
+#include <type_traits>
+
 #include "kernels.h"
 #include "vec.h"
 
@@ -85,83 +87,71 @@ static inline void tile(const T* x, int64_t ldx, const T* w, int64_t K, float* o
 }
 
 #if defined(KV_BF16) && defined(__AVX512BF16__)
-// the same over bf16 rows and weight rows with vdpbf16ps: 16 products a vector
-// (8 pairs), the last K % 16 loaded masked
-template <int MR, int NR>
-static inline void tile_dot(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* out, int64_t N) {
-  vec acc[MR][NR];
-  clear(acc);
-  const uint16_t* ahead = w + PREFETCH_ROWS * K;
-  int64_t k = 0;
-  for (; k + 2 * LANES <= K; k += 2 * LANES) {
-    __m256bh wv[NR];
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; j++) {
-      wv[j] = (__m256bh)_mm256_loadu_si256((const __m256i*)(w + j * K + k));
-      prefetch_l2(ahead + j * K + k);
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) {
-      const __m256bh xv = (__m256bh)_mm256_loadu_si256((const __m256i*)(x + i * ldx + k));
-#pragma GCC unroll 8
-      for (int j = 0; j < NR; j++) acc[i][j] = _mm256_dpbf16_ps(acc[i][j], xv, wv[j]);
-    }
-  }
-  if (k < K) {
-    const __mmask16 rest = (__mmask16)((1u << (K - k)) - 1);
-    __m256bh wv[NR];
-    for (int j = 0; j < NR; j++) wv[j] = (__m256bh)_mm256_maskz_loadu_epi16(rest, w + j * K + k);
-    for (int i = 0; i < MR; i++) {
-      const __m256bh xv = (__m256bh)_mm256_maskz_loadu_epi16(rest, x + i * ldx + k);
-      for (int j = 0; j < NR; j++) acc[i][j] = _mm256_dpbf16_ps(acc[i][j], xv, wv[j]);
-    }
-  }
-  for (int i = 0; i < MR; i++)
-    for (int j = 0; j < NR; j++) out[i * N + j] = total(acc[i][j]);
-}
+// vdpbf16ps at two widths: Dot256 takes 16 bf16 values a vector (8 pairs,
+// each summed into an fp32 lane), Dot512 32; `first` loads the first n
+// values at p, zeros after, never reading past p + n
+struct Dot256 {
+  typedef __m256 acc;
+  typedef __m256bh pairs;
+  static constexpr int VALUES = 16;
+  static acc zero() { return _mm256_setzero_ps(); }
+  static pairs load(const uint16_t* p) { return (pairs)_mm256_loadu_si256((const __m256i*)p); }
+  static pairs first(const uint16_t* p, int64_t n) { return (pairs)_mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), p); }
+  static acc dot(acc a, pairs x, pairs w) { return _mm256_dpbf16_ps(a, x, w); }
+  static float sum(acc a) { return total(a); }
+};
+struct Dot512 {
+  typedef __m512 acc;
+  typedef __m512bh pairs;
+  static constexpr int VALUES = 32;
+  static acc zero() { return _mm512_setzero_ps(); }
+  static pairs load(const uint16_t* p) { return (pairs)_mm512_loadu_si512((const void*)p); }
+  static pairs first(const uint16_t* p, int64_t n) { return (pairs)_mm512_maskz_loadu_epi16((__mmask32)((1ull << n) - 1), p); }
+  static acc dot(acc a, pairs x, pairs w) { return _mm512_dpbf16_ps(a, x, w); }
+  static float sum(acc a) { return _mm512_reduce_add_ps(a); }
+};
 
-// the same with 512-bit vectors: 32 products an instruction (16 pairs), the
-// last K % 32 loaded masked
-template <int MR, int NR>
-static inline void tile_dot_wide(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* out, int64_t N) {
-  __m512 acc[MR][NR];
+// the same over bf16 rows and weight rows with vdpbf16ps, D's values a
+// vector, the last K % D::VALUES loaded masked
+template <typename D, int MR, int NR>
+static inline void tile_dot(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* out, int64_t N) {
+  typename D::acc acc[MR][NR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; i++)
 #pragma GCC unroll 8
-    for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NR; j++) acc[i][j] = D::zero();
   const uint16_t* ahead = w + PREFETCH_ROWS * K;
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    __m512bh wv[NR];
+  for (; k + D::VALUES <= K; k += D::VALUES) {
+    typename D::pairs wv[NR];
 #pragma GCC unroll 8
     for (int j = 0; j < NR; j++) {
-      wv[j] = (__m512bh)_mm512_loadu_si512((const void*)(w + j * K + k));
+      wv[j] = D::load(w + j * K + k);
       prefetch_l2(ahead + j * K + k);
     }
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512((const void*)(x + i * ldx + k));
+      const typename D::pairs xv = D::load(x + i * ldx + k);
 #pragma GCC unroll 8
-      for (int j = 0; j < NR; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+      for (int j = 0; j < NR; j++) acc[i][j] = D::dot(acc[i][j], xv, wv[j]);
     }
   }
   if (k < K) {
-    const __mmask32 rest = (__mmask32)((1ull << (K - k)) - 1);
-    __m512bh wv[NR];
-    for (int j = 0; j < NR; j++) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(rest, w + j * K + k);
+    typename D::pairs wv[NR];
+    for (int j = 0; j < NR; j++) wv[j] = D::first(w + j * K + k, K - k);
     for (int i = 0; i < MR; i++) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(rest, x + i * ldx + k);
-      for (int j = 0; j < NR; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+      const typename D::pairs xv = D::first(x + i * ldx + k, K - k);
+      for (int j = 0; j < NR; j++) acc[i][j] = D::dot(acc[i][j], xv, wv[j]);
     }
   }
   for (int i = 0; i < MR; i++)
-    for (int j = 0; j < NR; j++) out[i * N + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < NR; j++) out[i * N + j] = D::sum(acc[i][j]);
 }
 constexpr bool DOT = true;
 #else
-template <int MR, int NR>
-static inline void tile_dot_wide(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t) {}
-template <int MR, int NR>
+struct Dot256 {};
+struct Dot512 {};
+template <typename D, int MR, int NR>
 static inline void tile_dot(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t) {}
 constexpr bool DOT = false;
 #endif
@@ -172,13 +162,9 @@ static void band(const T* x, int64_t ldx, const T* w, int64_t K, float* out, int
   constexpr int NR = weight_rows<MR>();
   int64_t n = n0;
   if constexpr (DOT && sizeof(T) == 2) {
-    if constexpr (MR >= WIDE_FROM) {
-      for (; n + NR <= n1; n += NR) tile_dot_wide<MR, NR>(x, ldx, w + n * K, K, out + n, N);
-      for (; n < n1; n++) tile_dot_wide<MR, 1>(x, ldx, w + n * K, K, out + n, N);
-    } else {
-      for (; n + NR <= n1; n += NR) tile_dot<MR, NR>(x, ldx, w + n * K, K, out + n, N);
-      for (; n < n1; n++) tile_dot<MR, 1>(x, ldx, w + n * K, K, out + n, N);
-    }
+    typedef std::conditional_t<MR >= WIDE_FROM, Dot512, Dot256> D;
+    for (; n + NR <= n1; n += NR) tile_dot<D, MR, NR>(x, ldx, w + n * K, K, out + n, N);
+    for (; n < n1; n++) tile_dot<D, MR, 1>(x, ldx, w + n * K, K, out + n, N);
   } else {
     for (; n + NR <= n1; n += NR) tile<MR, NR>(x, ldx, w + n * K, K, out + n, N);
     for (; n < n1; n++) tile<MR, 1>(x, ldx, w + n * K, K, out + n, N);
