@@ -42,7 +42,7 @@ reading the weights, a wider one costs little more and drafts pay; when the
 decoding sessions fill a step, the wider methods cost what their rows do, and
 the sessions decode plainly, so speculation costs a busy batch nothing.
 Prompt lookup's drafts cost nothing to make, so they also fill what a
-method would pad (a lone session whose steps run on forward_8 checks up to 7
+method would pad (a lone session that drafts on forward_8 checks up to 7
 drafts a step).
 """
 
@@ -79,6 +79,7 @@ class SpeculationStats:
     # those that kept it too
     reached: list[int] = field(default_factory=list)
     passed: list[int] = field(default_factory=list)
+    prior: float = 0.5  # the keep rate assumed before any round
 
     @property
     def acceptance(self) -> float:
@@ -108,8 +109,6 @@ class SpeculationStats:
             survive *= (passed + 2 * prior) / (reached + 2)
             expected += survive
         return expected
-
-    prior: float = 0.5  # the keep rate assumed before any round
 
     @property
     def keep_rate(self) -> float:
