@@ -61,8 +61,9 @@ class MethodCosts:
     step against (runtime/speculative.py). A method's first call (its
     warm-up) is not counted, and a figure that no call renewed within the
     last STALE calls is forgotten, so a method measured once in a slow
-    moment gets tried again. (A CUDA call is timed to its end: the manager
-    waits for it, as the sampler reading its logits would.)"""
+    moment gets tried again. A manager times its calls only once asked
+    (OffgraphKVManager.time_calls), a CUDA call to its end: the manager then
+    waits for it, as the sampler reading its logits would."""
 
     WEIGHT = 0.25  # of the newest call
     STALE = 256  # calls: at 16 sessions a step, a method measured dear is tried again every 10 s or so
@@ -132,7 +133,7 @@ class OffgraphKVManager(IOManager):
         self.device = torch.device(package.device)
         self.allocator = allocator
         self.cells_read = 0  # the C of the last step's calls: the cells they attended over
-        self.costs = MethodCosts()
+        self.costs: MethodCosts | None = None  # each call timed once time_calls() asks (speculative decoding)
         self.cache = CellCache(
             geometry, max_cells or package_cells, dtype, md["get_max_context_len"], device=self.device, allocator=allocator
         )
@@ -253,17 +254,27 @@ class OffgraphKVManager(IOManager):
             logits = self.graphs(piece.method, inputs) if graphed else None
             if logits is None:
                 logits = self.package.run(piece.method, *self._on_device(inputs).pack())
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # the sampler reads the logits next anyway
-            seconds = time.perf_counter() - began
-            if piece.method == "forward_others":
-                self.costs.observe(OTHERS_PER_TOKEN, seconds / piece.width)
-            else:
-                self.costs.observe(piece.method, seconds)
+            if self.costs is not None:
+                self._observe(piece, began)
             check_output(piece.method, logits, (want, self.vocab_size), torch.float32)
             for i, row in enumerate(rows):
                 out[piece.start + row] = logits[i]
         return out
+
+    def time_calls(self) -> MethodCosts:
+        """Times every call from now on (self.costs); returns the figures."""
+        if self.costs is None:
+            self.costs = MethodCosts()
+        return self.costs
+
+    def _observe(self, piece: _Slice, began: float) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # timed to its end: the sampler reads the logits next anyway
+        seconds = time.perf_counter() - began
+        if piece.method == "forward_others":
+            self.costs.observe(OTHERS_PER_TOKEN, seconds / piece.width)
+        else:
+            self.costs.observe(piece.method, seconds)
 
     def _on_device(self, inputs: ForwardInputs) -> ForwardInputs:
         """`inputs` in I/O buffers on the device (the pools already are)."""

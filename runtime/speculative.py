@@ -147,6 +147,15 @@ class Speculation:
             check_draft(target, self.draft)
         elif self.draft is not None:
             raise KvexportError("a draft package drafts only with --speculative draft")
+        for manager in (target, self.draft):  # plan_drafts weighs widths by their calls' times
+            if manager is not None:
+                manager.time_calls()
+
+    def drafting(self, prompt: Sequence[int], generator: torch.Generator) -> Drafting:
+        """A new sequence's drafting state."""
+        return Drafting(NgramIndex(prompt, self.ngram), generator, width=min(4, self.max_draft),
+                        prior=self.stats.keep_rate, recent=RECENT[self.mode],
+                        shared=self.stats if self.mode == "draft" else None)
 
     def step_width(self, target: OffgraphKVManager) -> int:
         """The widest step drafts may fill: `step_tokens`, else the target's
@@ -525,10 +534,7 @@ def generate_speculative(
     tracks: list[_Track] = []
     try:
         for i, prompt in enumerate(prompts):
-            drafting = Drafting(NgramIndex(prompt, speculation.ngram), torch.Generator().manual_seed(seed + i),
-                                width=min(4, speculation.max_draft), prior=speculation.stats.keep_rate,
-                                recent=RECENT[speculation.mode],
-                                shared=speculation.stats if speculation.mode == "draft" else None)
+            drafting = speculation.drafting(prompt, torch.Generator().manual_seed(seed + i))
             constraint = grammar.constraint() if grammar is not None else None
             tracks.append(_Track(i, manager.new_session(), drafting, max_new_tokens, constraint))
             if draft is not None:

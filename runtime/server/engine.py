@@ -37,7 +37,7 @@ from kvexport.runtime.server.prefix_cache import Holder, PrefixCache
 from kvexport.runtime.server.state import restore_sessions, save_sessions
 from kvexport.runtime.grammar import Constraint, Grammar, apply_draft_masks, apply_masks
 from kvexport.runtime.speculative import (
-    RECENT, Drafting, NgramIndex, Speculation, cut_to_grammar, plan_drafts, propose, settle, verify,
+    Drafting, Speculation, cut_to_grammar, plan_drafts, propose, settle, verify,
 )
 from kvexport.runtime.text import StopMatcher, Text, TextStream
 
@@ -441,9 +441,7 @@ class Engine:
             choice.constraint = job.request.grammar.constraint()
         spec = self.speculation
         if spec is not None:
-            choice.drafting = Drafting(NgramIndex(job.request.prompt, spec.ngram), generator, width=min(4, spec.max_draft),
-                                       prior=spec.stats.keep_rate, recent=RECENT[spec.mode],
-                                       shared=spec.stats if spec.mode == "draft" else None)
+            choice.drafting = spec.drafting(job.request.prompt, generator)
             if self.draft is not None:
                 self._draft_session(choice, list(job.request.prompt))
         return choice
