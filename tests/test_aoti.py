@@ -54,6 +54,9 @@ def test_manifest_records_the_compile_target(aoti_package):
         assert not [n for n in names if "/constants/" in n or "/weights/" in n]
         # the generated sources are emptied (their names stay: torch 2.11's loader looks up by them)
         assert not [i.filename for i in archive.infolist() if i.filename.endswith(".cpp") and i.file_size]
+        # and the library deflated
+        library = next(i for i in archive.infolist() if i.filename.endswith(".so"))
+        assert library.compress_type == zipfile.ZIP_DEFLATED and library.compress_size < library.file_size / 2
 
 
 def test_static_methods_carry_the_row_kernel(aoti_package):

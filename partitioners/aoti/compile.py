@@ -150,22 +150,26 @@ def compile_one(job: CompileJob) -> tuple[str, float, dict[str, int], bool]:
             _threads(job.threads):
         torch._inductor.aoti_compile_and_package(program, package_path=str(job.output), inductor_configs=configs_of(job))
         fixed = directory.name == job.method
-    _drop_sources(job.output)
+    _pack(job.output)
     return job.method, time.perf_counter() - start, calls, fixed
 
 
-def _drop_sources(archive: Path) -> None:
-    """Rewrites a compiled archive with the C++ that inductor generated
-    emptied (about 40% of its bytes): loading needs the library, not its
-    sources. The entries stay, empty: torch 2.11's loader finds a method's
-    metadata by its source's name. Every other entry is copied as it was, in
-    order, so the bytes stay the same from one compile to the next."""
+def _pack(archive: Path) -> None:
+    """Rewrites a compiled archive smaller: the C++ that inductor generated
+    emptied (about 40% of its bytes; loading needs the library, not its
+    sources) and every entry deflated (a library shrinks about 3.5 x;
+    torch's loader inflates it as it unpacks). The emptied entries stay:
+    torch 2.11's loader finds a method's metadata by its source's name.
+    Entries keep their order and dates, so the bytes stay the same from one
+    compile to the next."""
     import zipfile
 
     staged = archive.with_name(archive.name + ".partial")
     with zipfile.ZipFile(archive) as source, zipfile.ZipFile(staged, "w") as target:
         for info in source.infolist():
-            target.writestr(info, b"" if info.filename.endswith(".cpp") else source.read(info))
+            data = b"" if info.filename.endswith(".cpp") else source.read(info)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            target.writestr(info, data, compresslevel=6)
     os.replace(staged, archive)
 
 
