@@ -1,10 +1,14 @@
 """Prefill tokens/s of a package for one long prompt, against HF's forward
 over the same prompt, in one run.
 
-    python bench/prefill.py --package PKG [--prompt-len 512]
+    python bench/prefill.py --package PKG [--prompt-len 512] [--sessions 16]
 
 The package selects only the last row for the LM head; HF is measured both
 as a plain forward (all rows through the LM head) and with logits_to_keep=1.
+With --sessions N, also N sessions' prompts of --prompt-len tokens each (a
+server's prefill of N new requests): in one step (the runtime's plan splits
+it by --max-step-tokens) against one session a step, and HF's forward over
+the N prompts as one batch (last rows).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ def main() -> None:
     parser.add_argument("--hf-slice", type=int, default=0,
                         help="Also time HF's forward over the prompt in slices of this many tokens, through its cache "
                              "(what slicing itself costs: the package's slices are its --max-step-tokens).")
+    parser.add_argument("--sessions", type=int, default=1, help="Also time this many sessions' prompts together.")
     parser.add_argument("--profile", action="store_true", help="Also print each run's top operators (torch.profiler self time, ms).")
     args = parser.parse_args()
     manifest = json.loads((args.package / "manifest.json").read_text())
@@ -66,6 +71,8 @@ def main() -> None:
         sliced_s = best_of(hf_sliced, args.repeats)
         sliced = {"hf_slice": args.hf_slice, "hf_sliced_last_row_tokens_per_s": round(n / sliced_s, 1),
                   "ratio_over_hf_sliced_last_row": round(sliced_s / ours_s, 3)}
+    if args.sessions > 1:
+        sliced |= sessions_prefill(runtime, hf, args.sessions, n, manifest["metadata"]["get_vocab_size"], args.repeats)
     profiles = {name: top_operators(f) for name, f in (("package", ours), ("hf_last_row", hf_last))} if args.profile else None
     emit({
         "profile_self_ms": profiles,
@@ -78,6 +85,34 @@ def main() -> None:
         "ratio_over_hf_forward": round(full_s / ours_s, 3),
         "ratio_over_hf_last_row": round(last_s / ours_s, 3),
     } | sliced)
+
+
+def sessions_prefill(runtime, hf, sessions: int, length: int, vocab: int, repeats: int) -> dict:
+    """Tokens/s of `sessions` prompts (each its own tokens) prefilled in one
+    step, one session a step, and by HF as one batch."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(sessions)]
+
+    def run(together: bool) -> None:
+        made = [runtime.new_session() for _ in prompts]
+        if together:
+            runtime.step([StepEntry(s, p) for s, p in zip(made, prompts)])
+        else:
+            for s, p in zip(made, prompts):
+                runtime.step([StepEntry(s, p)])
+        for s in made:
+            runtime.release(s)
+
+    def hf_batch() -> None:
+        with torch.no_grad():
+            hf(torch.tensor(prompts), logits_to_keep=1)
+
+    together_s, apart_s, hf_s = (best_of(f, repeats) for f in (lambda: run(True), lambda: run(False), hf_batch))
+    tokens = sessions * length
+    return {"sessions": sessions, "sessions_together_tokens_per_s": round(tokens / together_s, 1),
+            "sessions_apart_tokens_per_s": round(tokens / apart_s, 1),
+            "hf_batch_last_row_tokens_per_s": round(tokens / hf_s, 1),
+            "together_over_apart": round(apart_s / together_s, 3), "together_over_hf_batch": round(hf_s / together_s, 3)}
 
 
 def top_operators(fn, count: int = 8) -> dict[str, float]:

@@ -9,6 +9,14 @@ speculatively; the tokens must be identical (the script fails otherwise).
 Decode time excludes the prompt: (time for P + N tokens) - (time for P + 1
 token), best of --repeats. Prints JSON: tokens/s of each mode over all the
 prompts of a set, their ratio, the share of drafts kept, and the CPU.
+
+With --bound, also what prompt lookup could reach at best on these prompts:
+each static method's step timed here (one session, every row selected), and
+the greedy tokens replayed with a lookup that knew, before each step, how
+many of its proposals the target would keep and drafted the number that
+decodes fastest at those step times (`lookup_bound_speedup`, in step time
+alone: no host work). It bounds what any choice of draft widths can do with
+lookup's proposals on this model's text.
 """
 
 from __future__ import annotations
@@ -21,8 +29,8 @@ from pathlib import Path
 import torch
 
 from common import cpu_model, emit
-from kvexport.runtime import generate, load
-from kvexport.runtime.speculative import Speculation
+from kvexport.runtime import StepEntry, generate, load
+from kvexport.runtime.speculative import NgramIndex, Speculation
 
 CODE = '''def mean(values):
     total = 0
@@ -99,10 +107,50 @@ def decode_time(run, new_tokens: int, repeats: int) -> tuple[float, list[int]]:
     return max(best, 1e-9), tokens
 
 
+def step_seconds(runtime, widths: list[int], repeats: int = 9) -> dict[int, float]:
+    """Median seconds of a step of each width, one session over 300 cells."""
+    session = runtime.new_session()
+    runtime.step([StepEntry(session, list(range(100, 400)))])
+    seconds = {}
+    for width in widths:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            runtime.step([StepEntry(session, [5] * width, True, rows=width)])
+            times.append(time.perf_counter() - start)
+            runtime.rewind(session, session.length - width)
+        seconds[width] = sorted(times)[len(times) // 2]
+    runtime.release(session)
+    return seconds
+
+
+def lookup_bound(outputs: list[tuple[list[int], list[int]]], cost: dict[int, float], ngram: int, max_draft: int) -> float:
+    """Plain decoding's step time over the best a lookup that knew each
+    step's outcome could take (see the module's docstring)."""
+    narrowest = lambda tokens: min(n for n in cost if n >= tokens)  # noqa: E731
+    plain = best = 0.0
+    for prompt, out in outputs:
+        index = NgramIndex(prompt + out[:1], ngram)
+        t = 1  # the first token comes from the prompt's step
+        plain += (len(out) - 1) * cost[narrowest(1)]
+        while t < len(out):
+            proposal = index.propose(min(max_draft, len(out) - t - 1, max(cost) - 1))
+            run = 0
+            while run < len(proposal) and proposal[run] == out[t + run]:
+                run += 1
+            # drafting k of them keeps min(k, run): the fastest k is 0 or one that keeps the whole run
+            _, k = max(((min(k, run) + 1) / cost[narrowest(k + 1)], k) for k in range(len(proposal) + 1))
+            best += cost[narrowest(k + 1)]
+            index.extend(out[t : t + min(k, run) + 1])
+            t += min(k, run) + 1
+    return plain / best
+
+
 def compare(runtime, prompts: list[list[int]], new_tokens: int, repeats: int, speculation_of) -> dict:
     plain_s = spec_s = 0.0
     tokens = 0
     drafted = accepted = 0
+    outputs = []
     for prompt in prompts:
         plain_t, plain = decode_time(lambda n: generate(runtime, [prompt], n)[0], new_tokens, repeats)
         stats = []
@@ -117,6 +165,7 @@ def compare(runtime, prompts: list[list[int]], new_tokens: int, repeats: int, sp
         if fast != plain:
             raise SystemExit(f"speculative tokens differ from greedy ones on prompt {prompt[:8]}...: {fast} vs {plain}")
         plain_s, spec_s, tokens = plain_s + plain_t, spec_s + spec_t, tokens + len(plain) - 1
+        outputs.append((list(prompt), plain))
         drafted += stats[0].drafted
         accepted += stats[0].accepted
     return {
@@ -126,7 +175,7 @@ def compare(runtime, prompts: list[list[int]], new_tokens: int, repeats: int, sp
         "speculative_tokens_per_s": round(tokens / spec_s, 1),
         "speedup": round(plain_s / spec_s, 2),
         "drafts_kept": round(accepted / drafted, 3) if drafted else None,
-    }
+    }, outputs
 
 
 def main() -> None:
@@ -137,6 +186,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--max-draft", type=int, default=8)
     parser.add_argument("--limit", type=int, help="run only the first N prompts of each set")
+    parser.add_argument("--bound", action="store_true", help="also the best prompt lookup could reach (see above)")
     args = parser.parse_args()
 
     runtime = load(args.package)
@@ -144,12 +194,16 @@ def main() -> None:
     encode = lambda prompts: [text.encode(p) for p in prompts[: args.limit]]  # noqa: E731  (the chat template)
     result: dict = {"package": str(args.package), "cpu": cpu_model(), "torch_threads": torch.get_num_threads(),
                     "new_tokens": args.new_tokens, "static_sizes": runtime.static_sizes}
-    result["lookup"] = compare(runtime, encode(LOOKUP_PROMPTS), args.new_tokens, args.repeats,
-                               lambda: Speculation("lookup", max_draft=args.max_draft))
+    result["lookup"], outputs = compare(runtime, encode(LOOKUP_PROMPTS), args.new_tokens, args.repeats,
+                                        lambda: Speculation("lookup", max_draft=args.max_draft))
+    if args.bound:
+        cost = step_seconds(runtime, list(runtime.static_sizes))
+        result["step_ms"] = {n: round(1e3 * s, 2) for n, s in cost.items()}
+        result["lookup_bound_speedup"] = round(lookup_bound(outputs, cost, Speculation().ngram, args.max_draft), 3)
     if args.draft is not None:
         draft = load(args.draft)
         result["draft_package"] = str(args.draft)
-        result["draft"] = compare(runtime, encode(CHAT_PROMPTS), args.new_tokens, args.repeats,
+        result["draft"], _ = compare(runtime, encode(CHAT_PROMPTS), args.new_tokens, args.repeats,
                                   lambda: Speculation("draft", draft=draft, max_draft=args.max_draft))
     emit(result)
 

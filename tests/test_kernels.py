@@ -257,6 +257,59 @@ def test_masks_that_are_not_a_causal_slice_keep_their_meaning(shims, change):
     torch.testing.assert_close(shims.call("masked_attention", query, key, value, mask, 0.3), want, rtol=1e-5, atol=1e-5)
 
 
+def sessions_slices_operands(heads, kv_heads, slices, head_dim, interleave=False, seed=0):
+    """Several sessions' slices in one step, as the cell cache lays a server's
+    prefill out: slices [(history, rows)], session i's cells after cell 0
+    (the scratch cell, unseen), in blocks or every session's cells
+    interleaved; the rows session by session, row t of a slice seeing its
+    history and its own cells 0..t."""
+    g = torch.Generator().manual_seed(seed + 17 * len(slices))
+    sizes = [history + rows for history, rows in slices]
+    if interleave:
+        owner = [i for n in range(max(sizes)) for i, size in enumerate(sizes) if n < size]
+    else:
+        owner = [i for i, size in enumerate(sizes) for _ in range(size)]
+    cells = 1 + len(owner)
+    owner = torch.tensor([-1, *owner])
+    position = torch.zeros(cells, dtype=torch.long)
+    for i in range(len(slices)):
+        position[owner == i] = torch.arange(sizes[i])
+    pool_k, pool_v = (torch.randn(cells, kv_heads, head_dim, generator=g) for _ in range(2))
+    key, value = pool_k.permute(1, 0, 2).unsqueeze(0), pool_v.permute(1, 0, 2).unsqueeze(0)
+    total = sum(rows for _, rows in slices)
+    query = torch.randn(1, total, heads, head_dim, generator=g).transpose(1, 2) * 3
+    mask = torch.cat([(owner[None, :] == i) & (position[None, :] <= torch.arange(h, h + r)[:, None])
+                      for i, (h, r) in enumerate(slices)])
+    return query, key, value, mask
+
+
+# a server's prefill of several prompts (no history, or a history from an
+# earlier slice), with decode rows among them, sessions' cells in blocks or
+# interleaved; slices of one row each (decode rows past a static method's 16)
+SESSIONS_CASES = [([(0, 40), (0, 25), (0, 60)], False), ([(30, 50), (0, 7), (100, 1), (5, 33)], True),
+                  ([(12, 1)] * 20, False), ([(0, 300), (64, 1), (0, 20)], True)]
+
+
+@pytest.mark.parametrize("slices,interleave", SESSIONS_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_shim_takes_several_sessions_slices_apart(shims, slices, interleave, dtype):
+    """Over more rows than a static method takes, a step of several
+    sessions' causal slices attends each slice over its own session's cells
+    (dense history, causal own cells), not every row over every cell: the
+    result is sdpa's through the mask."""
+    query, key, value, mask = sessions_slices_operands(6, 2, slices, 32, interleave)
+    # one row a session: the two calls a slice cost more than the mask's extra scores
+    assert shims.attention_route(mask) == (("mask", 0) if len(slices) == 20 else ("slices", len(slices)))
+    query, key, value = (t.to(dtype) for t in (query, key, value))
+    want = torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
+                                                            scale=0.3, enable_gqa=True)
+    got = shims.call("masked_attention", query, key, value, mask, 0.3)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # two bf16 results merged: an ulp of bf16 each
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
 def test_over_many_rows_masks_that_are_no_slice_go_to_sdpa(shims):
     """Over more rows than a static method takes (a prefill of several
     sessions at once), fp32 and bf16 alike."""

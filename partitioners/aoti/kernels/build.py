@@ -258,6 +258,20 @@ class Shims:
                     delete(handle)
         return torch._C._aoti.alloc_tensor_by_stealing_from_void_ptr(self.api.PyCapsule_New(result.value, None, None))
 
+    ROUTES = ("kernel", "mask", "slices")
+
+    def attention_route(self, mask, fp32: bool = True) -> tuple[str, int]:
+        """The way masked_attention's shim takes a bool mask [T, C] (the
+        kernel, sdpa through the mask, or sdpa over each causal slice's
+        cells) and how many slices it found."""
+        function = self.library.kvexport_masked_attention_route
+        function.restype = ctypes.c_int32
+        function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 4, ctypes.c_int32, ctypes.POINTER(ctypes.c_int64)]
+        slices = ctypes.c_int64()
+        way = function(mask.data_ptr(), mask.stride(0), mask.stride(1), mask.shape[0], mask.shape[1], int(fp32),
+                       ctypes.byref(slices))
+        return self.ROUTES[way], slices.value
+
     def _handle(self, tensor) -> int:
         import torch
 

@@ -133,41 +133,63 @@ AOTITorchError attend_with_sdpa(AtenTensorHandle query, AtenTensorHandle key, At
 // scored densely and the own cells by sdpa's causal blocks, which skip the
 // masked half, and the two results merge by their log-sum-exps.
 // (bench/prefill.py: a 2048-token prompt in 512-token slices)
+// A step of several sessions' slices (a server's prefill of many prompts) is
+// a run of such slices, one after another: through the mask, every row would
+// be scored against every session's cells; here each slice sees its own.
 struct CausalSlice {
+  int64_t first = 0;             // the step's row where the slice begins
   std::vector<int64_t> history;  // cells every row sees, in cell order
-  std::vector<int64_t> own;      // own[t]: the cell row t is the first to see (own[0]: one every row sees)
+  std::vector<int64_t> own;      // own[t]: the cell row first + t is the first to see (own[0]: one every row sees)
 };
 
-// whether the mask is one session's causal slice, and its cells: row 0 sees
-// the history and one own cell, and each next row what the one before saw and
-// one cell more. Row by row in byte operations the compiler vectorizes (every
-// layer checks its mask: 512 rows over 2048 cells are a megabyte); a mask with
-// strided cells is taken as no slice
-bool causal_slice(const Operand& mask, int64_t T, int64_t C, CausalSlice& slice) {
+// at most this many slices a step: past it (rows that each start a slice, as
+// under a sliding window) the calls would cost more than the mask's extra scores
+constexpr size_t MAX_SLICES = 64;
+// several slices are taken apart when the cells their rows see, with this many
+// more a slice for its two calls, are under half of what the mask scores
+constexpr int64_t SLICE_CALL_CELLS = 256;
+
+// whether the mask's rows are a run of causal slices, and their cells: a
+// slice's first row sees its history and one own cell, and each next row what
+// the one before saw and one cell more; a row that does not begins the next
+// slice. Row by row in byte operations the compiler vectorizes (every layer
+// checks its mask: 512 rows over 2048 cells are a megabyte); a mask with
+// strided cells, or a row that sees nothing, is taken as no slices
+bool causal_slices(const Operand& mask, int64_t T, int64_t C, std::vector<CausalSlice>& slices, int64_t& visible) {
   if (mask.strides[1] != 1) return false;
-  const uint8_t* row = (const uint8_t*)mask.data;
-  slice.history.clear();
-  for (int64_t c = 0; c < C; c++)
-    if (row[c]) slice.history.push_back(c);
-  if (slice.history.empty()) return false;
-  slice.own.assign(T, -1);
-  int64_t seen = (int64_t)slice.history.size();
-  for (int64_t t = 1; t < T; t++) {
-    const uint8_t* before = row;
-    row = (const uint8_t*)mask.data + t * mask.strides[0];
-    uint8_t lost = 0;
-    int64_t count = 0, added = 0;  // added: the sum of the new cells' indices
-    for (int64_t c = 0; c < C; c++) {
-      lost |= before[c] & (uint8_t)~row[c];
-      count += row[c];
-      added += (int64_t)(row[c] & (uint8_t)~before[c]) * c;
+  slices.clear();
+  int64_t seen = 0;
+  visible = 0;
+  for (int64_t t = 0; t < T; t++) {
+    const uint8_t* row = (const uint8_t*)mask.data + t * mask.strides[0];
+    if (t > 0) {
+      const uint8_t* before = row - mask.strides[0];
+      uint8_t lost = 0;
+      int64_t count = 0, added = 0;  // added: the sum of the new cells' indices
+      for (int64_t c = 0; c < C; c++) {
+        lost |= before[c] & (uint8_t)~row[c];
+        count += row[c];
+        added += (int64_t)(row[c] & (uint8_t)~before[c]) * c;
+      }
+      if (!lost && count == seen + 1) {  // with nothing lost, one more cell is exactly one new cell
+        slices.back().own.push_back(added);
+        seen = count;
+        visible += seen;
+        continue;
+      }
     }
-    if (lost || count != seen + 1) return false;  // with nothing lost, one more cell is exactly one new cell
-    slice.own[t] = added;
-    seen = count;
+    if (slices.size() == MAX_SLICES) return false;
+    slices.emplace_back();
+    CausalSlice& slice = slices.back();
+    slice.first = t;
+    for (int64_t c = 0; c < C; c++)
+      if (row[c]) slice.history.push_back(c);
+    if (slice.history.empty()) return false;
+    seen = (int64_t)slice.history.size();
+    visible += seen;
+    slice.own.push_back(slice.history.back());
+    slice.history.pop_back();
   }
-  slice.own[0] = slice.history.back();
-  slice.history.pop_back();
   return true;
 }
 
@@ -200,9 +222,9 @@ inline void narrow(float x, float* to) { *to = x; }
 inline void narrow(float x, uint16_t* to) { *to = to_bf16(x); }
 
 // out [H, T, D] = the parts' results ([1, H, T, D] of E) weighted by
-// e^(their log-sum-exp [1, H, T], fp32), normalized
+// e^(their log-sum-exp [1, H, T], fp32), normalized; a head's rows `head` apart
 template <typename E>
-void merge(const Operand* result, const Operand* lse, int parts, int64_t H, int64_t T, int64_t D, E* out) {
+void merge(const Operand* result, const Operand* lse, int parts, int64_t H, int64_t T, int64_t D, E* out, int64_t head) {
   for (int64_t h = 0; h < H; h++)
     for (int64_t t = 0; t < T; t++) {
       float w[2] = {1.0f, 0.0f};
@@ -219,7 +241,7 @@ void merge(const Operand* result, const Operand* lse, int parts, int64_t H, int6
         r[p] = (const E*)result[p].data + h * result[p].strides[1] + t * result[p].strides[2];
         step[p] = result[p].strides[3];
       }
-      E* o = out + (h * T + t) * D;
+      E* o = out + h * head + t * D;
       if (parts == 1)
         for (int64_t d = 0; d < D; d++) narrow(widen(r[0][d * step[0]]), o + d);
       else
@@ -227,13 +249,22 @@ void merge(const Operand* result, const Operand* lse, int parts, int64_t H, int6
     }
 }
 
-// out = the attention of `query` over the slice's history and own cells
+// out's rows of the slice = the attention of their queries over the slice's
+// history and own cells
 AOTITorchError attend_causal_slice(AtenTensorHandle query, AtenTensorHandle key, AtenTensorHandle value,
-                                   const Operand* o, const CausalSlice& slice, double scale, AtenTensorHandle out) {
-  const int64_t H = o[0].sizes[1], T = o[0].sizes[2], D = o[0].sizes[3];
-  // parts[0]: the own cells (causal), parts[1]: the history (dense) where there is one
+                                   const Operand* o, const CausalSlice& slice, double scale, void* out_data) {
+  const int64_t H = o[0].sizes[1], T = o[0].sizes[2], D = o[0].sizes[3], rows = (int64_t)slice.own.size();
   std::vector<AtenTensorHandle> handles;  // every handle made here, deleted at the end
-  AOTITorchError error = AOTI_TORCH_SUCCESS;
+  // the slice's queries: a view of its rows
+  AtenTensorHandle q = query;
+  int64_t offset = 0;
+  AOTITorchError error = aoti_torch_get_storage_offset(query, &offset);
+  if (!error && rows != T) {
+    const int64_t size[4] = {1, H, rows, D};
+    error = aoti_torch__reinterpret_tensor(query, 4, size, o[0].strides, offset + slice.first * o[0].strides[2], &q);
+    if (!error) handles.push_back(q);
+  }
+  // parts[0]: the own cells (causal), parts[1]: the history (dense) where there is one
   Operand result[2], lse[2];
   const int parts = slice.history.empty() ? 1 : 2;
   for (int p = 0; p < parts && !error; p++) {
@@ -244,18 +275,35 @@ AOTITorchError attend_causal_slice(AtenTensorHandle query, AtenTensorHandle key,
     if (!error) error = pool_part(value, o[2], cells, &v);
     if (v) handles.push_back(v);
     if (!error)
-      error = aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu(query, k, v, 0.0, p == 0, nullptr, &scale,
-                                                                         &r, &l);
+      error = aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, p == 0, nullptr, &scale, &r, &l);
     for (AtenTensorHandle t : {r, l})
       if (t) handles.push_back(t);
     if (!error && !(read(r, result[p]) && read(l, lse[p]))) error = AOTI_TORCH_FAILURE;
   }
-  void* out_data = nullptr;
-  if (!error) error = aoti_torch_get_data_ptr(out, &out_data);
-  if (!error && o[0].dtype == aoti_torch_dtype_float32()) merge<float>(result, lse, parts, H, T, D, (float*)out_data);
-  else if (!error) merge<uint16_t>(result, lse, parts, H, T, D, (uint16_t*)out_data);
+  if (!error && o[0].dtype == aoti_torch_dtype_float32())
+    merge<float>(result, lse, parts, H, rows, D, (float*)out_data + slice.first * D, T * D);
+  else if (!error)
+    merge<uint16_t>(result, lse, parts, H, rows, D, (uint16_t*)out_data + slice.first * D, T * D);
   for (AtenTensorHandle t : handles) aoti_torch_delete_tensor_object(t);
   return error;
+}
+
+// the ways a step's attention goes: the kernel (a few rows), sdpa through the
+// mask, or sdpa over each causal slice's cells
+enum Route { KERNEL = 0, MASK = 1, SLICES = 2 };
+
+// which way the rows of `mask` [T, C] go (`slices` filled when by slices): one
+// session's slice from CAUSAL_MIN_ROWS rows and several sessions' slices past
+// a static method's rows when that scores far fewer cells, by slices; over more
+// rows than a static method takes (a prefill of several sessions), and over 4+
+// fp32 rows that see most cells, sdpa through the mask; else the kernel
+Route route(const Operand& mask, int64_t T, int64_t C, bool fp32, std::vector<CausalSlice>& slices) {
+  int64_t visible;
+  if ((T >= CAUSAL_MIN_ROWS || T > SPARSE_MAX_ROWS) && C > 0 && causal_slices(mask, T, C, slices, visible) &&
+      (slices.size() == 1 ? T >= CAUSAL_MIN_ROWS : 2 * (visible + SLICE_CALL_CELLS * (int64_t)slices.size()) < T * C))
+    return SLICES;
+  if (T > SPARSE_MAX_ROWS || (T >= DENSE_MIN_ROWS && fp32 && dense(mask, T, C))) return MASK;
+  return KERNEL;
 }
 
 // why masked_attention cannot take these operands, or nullptr
@@ -419,18 +467,18 @@ extern "C" AOTITorchError aoti_torch_cpu_masked_attention(AtenTensorHandle query
   void* out_data;
   if (new_tensor(o[0].dtype, 4, size, &out, &out_data))
     return refuse("masked_attention", "the result could not be allocated");
-  CausalSlice slice;
-  if (T >= CAUSAL_MIN_ROWS && C > 0 && D > 0 && causal_slice(o[3], T, C, slice)) {
-    if (attend_causal_slice(query, key, value, o, slice, scale, out)) {
-      aoti_torch_delete_tensor_object(out);
-      return refuse("masked_attention", "torch's sdpa failed on a causal slice");
-    }
+  std::vector<CausalSlice> slices;
+  const Route way = D > 0 ? route(o[3], T, C, o[0].dtype == aoti_torch_dtype_float32(), slices) : KERNEL;
+  if (way == SLICES) {
+    for (const CausalSlice& slice : slices)
+      if (attend_causal_slice(query, key, value, o, slice, scale, out_data)) {
+        aoti_torch_delete_tensor_object(out);
+        return refuse("masked_attention", "torch's sdpa failed on a causal slice");
+      }
     *ret0 = out;
     return AOTI_TORCH_SUCCESS;
   }
-  // over more rows than a static method takes (a prefill of several sessions), and over 4+ fp32 rows
-  // that see most cells, sdpa through the mask
-  if (T > SPARSE_MAX_ROWS || (T >= DENSE_MIN_ROWS && o[0].dtype == aoti_torch_dtype_float32() && dense(o[3], T, C))) {
+  if (way == MASK) {
     const AOTITorchError error = attend_with_sdpa(query, key, value, o[3], T, C, scale, out);
     if (error) {
       aoti_torch_delete_tensor_object(out);
@@ -463,4 +511,20 @@ extern "C" AOTITorchError aoti_torch_cpu_masked_attention(AtenTensorHandle query
                               (float*)out_data, H, Hkv, T, C, D, (float)scale);
   *ret0 = out;
   return AOTI_TORCH_SUCCESS;
+}
+
+// the way masked_attention takes a bool mask [T, C] (a Route) and how many
+// slices it finds: for tests, which cannot tell the ways apart by their results
+extern "C" int32_t kvexport_masked_attention_route(const bool* mask, int64_t row_stride, int64_t cell_stride, int64_t T,
+                                                   int64_t C, int32_t fp32, int64_t* slices) {
+  int64_t sizes[2] = {T, C}, strides[2] = {row_stride, cell_stride};
+  Operand o;
+  o.dims = 2;
+  o.sizes = sizes;
+  o.strides = strides;
+  o.data = (void*)mask;
+  std::vector<CausalSlice> found;
+  const Route way = route(o, T, C, fp32 != 0, found);
+  *slices = way == SLICES ? (int64_t)found.size() : 0;
+  return way;
 }
