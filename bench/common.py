@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
+import shutil
 import time
+from pathlib import Path
 
 import torch
 
@@ -45,3 +49,31 @@ def cpu_model() -> str:
     flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
     widest = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "sse/other"
     return f"{name} ({widest})"
+
+
+@functools.cache
+def code_digest() -> str:
+    """A short digest of the kvexport code that makes a package (contract,
+    exporter, passes, partitioners and their kernels): the benches key the
+    packages they export once by it, so a change to that code exports them
+    again instead of measuring a package an older kvexport made."""
+    import kvexport.contract
+    import kvexport.exporter
+    import kvexport.partitioners
+    import kvexport.passes
+
+    digest = hashlib.sha256()
+    for package in (kvexport.contract, kvexport.exporter, kvexport.partitioners, kvexport.passes):
+        for root in map(Path, package.__path__):
+            for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h")):
+                digest.update(f"{package.__name__}/{path.relative_to(root).as_posix()}".encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
+def drop_older(out: Path) -> None:
+    """Removes the packages a bench exported before `out` under the same
+    name with another code digest (`<name>-<digest>`)."""
+    stem = out.name.rsplit("-", 1)[0]
+    for old in out.parent.glob(f"{stem}-*"):
+        if old != out and old.is_dir() and len(old.name) == len(out.name) and (old / "manifest.json").exists():
+            shutil.rmtree(old, ignore_errors=True)

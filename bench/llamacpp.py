@@ -45,7 +45,7 @@ import sys
 import tarfile
 from pathlib import Path
 
-from common import cpu_model, emit
+from common import code_digest, cpu_model, drop_older, emit
 from kvexport.exporter.sources.models import cache_dir, load_model
 
 VERSION = "0.3.36"
@@ -161,13 +161,15 @@ EXPORTS = {"fp32": [], "bf16": ["--dtype", "bf16"], "8w": ["--qlinear", "8w", "-
 
 def exported(root: Path, source: Path, label: str, isa: str = "native") -> Path:
     """kvexport's aoti package of `source` at the precision `label`, exported
-    once (for AVX2 code under ATEN_CPU_CAPABILITY=avx2, which main sets)."""
-    out = root / "packages" / "-".join([source.name, label] + ([isa] if isa != "native" else []))
+    once for kvexport's code as it is (for AVX2 code under
+    ATEN_CPU_CAPABILITY=avx2, which main sets)."""
+    out = root / "packages" / "-".join([source.name, label] + ([isa] if isa != "native" else []) + [code_digest()])
     if not (out / "manifest.json").exists():
         run([sys.executable, "-m", "kvexport.cli.main", "export", str(source), "--use-offgraph-kv-cache", "--backend", "aoti",
              "--forward-sizes", "1,8", "--max-step-tokens", "512", "--row-kernel", "on", *EXPORTS[label], "-o", str(out),
              "--overwrite"],
             capture=False)
+        drop_older(out)
     return out
 
 

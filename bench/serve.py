@@ -1,7 +1,7 @@
 """`kvexport serve` beside llama.cpp's `llama-server` on SmolLM2-135M (F32),
 under the same streamed chat load, in one command:
 
-    python bench/serve.py [--package PKG] [--requests 64] [--clients 16 | --rate R]
+    python bench/serve.py [--package PKG] [--requests 64] [--clients 16 | --rate R] [--distinct]
                           [--prefix-turns] [--conversations 3] [--omp-passive]
     python bench/serve.py --soak SECONDS [--package PKG]
     python bench/serve.py --speculative lookup|draft [--draft PKG] [--package PKG]
@@ -11,7 +11,8 @@ What it starts, one server at a time (each is killed at the end, Ctrl-C too):
 - `kvexport serve PKG --port 0 --max-sessions 16` on an fp32 aoti package of
   smollm2-135m with the off-graph cell pool (`kvexport export smollm2-135m
   --use-offgraph-kv-cache --backend aoti`, exported once into kvexport's cache
-  directory under a key of that recipe; `--package` takes another);
+  directory under a key of that recipe and of kvexport's code, so a change to
+  the code exports it again; `--package` takes another);
 - `llama-server -m F32.gguf -np 16 -c 16*2048 --cont-batching -t THREADS
   -ctk f32 -ctv f32` (an F32 cache like the package's; built, with the F32 GGUF
   of the same weights, by bench/llamacpp.py).
@@ -20,7 +21,9 @@ The load (a stdlib client: threads and http.client, loopback only): N
 requests (--requests, default 64), each the same ~200-token system prompt and
 a short question of its own, `max_tokens` 64, temperature 0, `ignore_eos`
 (both servers honour it: every request then decodes exactly 64 tokens, the
-same work on both), streamed with `stream_options.include_usage`. By default
+same work on both), streamed with `stream_options.include_usage`; with
+`--distinct` each request's system prompt opens with a line of its own, so
+no prefix is shared and every request prefills its ~220 tokens. By default
 16 clients each send one request after another (closed loop: both servers
 have 16 requests in flight, each at its own speed; a fixed Poisson rate suits
 one server and swamps or starves the other); `--rate R` sends open loop
@@ -94,7 +97,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from common import cpu_model, emit
+from common import code_digest, cpu_model, drop_older, emit
 from llamacpp import llama_f32, run
 
 from kvexport.exporter.sources.models import cache_dir
@@ -129,12 +132,13 @@ def package(path: str | None) -> Path:
     if path is not None:
         return Path(path)
     key = hashlib.sha256(json.dumps([MODEL, *RECIPE]).encode()).hexdigest()[:12]
-    out = cache_dir() / "bench-packages" / f"{MODEL}-{key}"
+    out = cache_dir() / "bench-packages" / f"{MODEL}-{key}-{code_digest()}"
     if not (out / "manifest.json").exists():
         partial = out.with_name(out.name + ".partial")  # renamed when complete: an interrupted export is redone
         run([sys.executable, "-m", "kvexport.cli.main", "export", MODEL, "-o", str(partial), "--overwrite", *RECIPE],
             capture=False)
         partial.rename(out)
+        drop_older(out)
     return out
 
 
@@ -355,19 +359,25 @@ def check_finished(out: Outcome) -> tuple[bool, str]:
     return True, ""
 
 
-def question(i: int) -> list[dict]:
+def question(i: int, distinct: bool = False) -> list[dict]:
+    """Request i's messages: the shared system prompt and a question, or
+    (distinct) the system prompt opened by a line of the request's own, so
+    that no two requests share a prefix past their first tokens."""
     topic = TOPICS[i % len(TOPICS)]
-    return [{"role": "system", "content": SYSTEM_PROMPT},
+    opening = f"Desk {i}, shift {i * 7919 % 1000}. " if distinct else ""
+    return [{"role": "system", "content": opening + SYSTEM_PROMPT},
             {"role": "user", "content": f"Visitor {i} asks about {topic}: what should they know?"}]
 
 
-def drive(url: str, requests: int, clients: int, rate: float | None, deadline: float) -> tuple[list[Outcome], float]:
-    """Sends `requests` questions: `clients` threads one after another, or
-    (rate) open loop at Poisson arrivals; returns the outcomes and the wall time."""
+def drive(url: str, requests: int, clients: int, rate: float | None, deadline: float,
+          distinct: bool = False) -> tuple[list[Outcome], float]:
+    """Sends `requests` questions (see `question`): `clients` threads one
+    after another, or (rate) open loop at Poisson arrivals; returns the
+    outcomes and the wall time."""
     outcomes: list[Outcome] = [Outcome() for _ in range(requests)]
 
     def send(i: int) -> None:
-        outcomes[i] = chat(url, question(i), MAX_TOKENS, deadline)
+        outcomes[i] = chat(url, question(i, distinct), MAX_TOKENS, deadline)
 
     began = time.perf_counter()
     if rate is None:
@@ -443,7 +453,8 @@ def measure(server: Server, args: argparse.Namespace) -> dict:
     chat(server.url, question(-1), 8, time.monotonic() + 120)  # warm-up, not counted
     before = scrape(server.url)
     load = os.getloadavg()[0]
-    outcomes, wall = drive(server.url, args.requests, args.clients, args.rate, time.monotonic() + args.deadline)
+    outcomes, wall = drive(server.url, args.requests, args.clients, args.rate, time.monotonic() + args.deadline,
+                           args.distinct)
     result = {**summary(outcomes, wall), "load_average_before": round(load, 2)}
     after = scrape(server.url)
     share = engine_share(before, after)
@@ -673,6 +684,8 @@ def main() -> None:
     parser.add_argument("--rate", type=float, help="open loop instead: Poisson arrivals at this many requests/s")
     parser.add_argument("--deadline", type=float, default=900, help="seconds the load of one server may take in all")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server's -t")
+    parser.add_argument("--distinct", action="store_true",
+                        help="every request its own system prompt (no shared prefix: each one prefills ~220 tokens)")
     parser.add_argument("--prefix-turns", action="store_true", help="also time turn 2 of long conversations, prefix cache on and off")
     parser.add_argument("--conversations", type=int, default=3)
     parser.add_argument("--soak", type=float, metavar="SECONDS", help="only the soak of kvexport serve, this long")
