@@ -93,6 +93,13 @@ def test_the_bf16_kernel_runs_vdpbf16ps_where_the_cpu_has_it(isa):
 
 
 # ------------------------------------------------------ masked attention
+def sdpa_in_fp32(query, key, value, mask, scale):
+    """torch's sdpa through the bool mask, GQA, on the operands widened to fp32:
+    what the shims and kernels are checked against."""
+    return torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
+                                                            scale=scale, enable_gqa=True)
+
+
 def attention_operands(heads, kv_heads, rows, cells, head_dim, seed=0):
     """Keys and values as strided views of [C, Hkv, D] pools, the query as a
     transposed [1, T, H, D]; the first row sees nothing (zeros, as sdpa
@@ -130,15 +137,13 @@ def test_masked_attention_over_bf16_pools(isa, shims, heads, kv_heads, rows, cel
     dense rows included (they stay on the kernel)."""
     query, key, value, mask = (t.bfloat16() if t.dtype == torch.float32 else t
                                for t in attention_operands(heads, kv_heads, rows, cells, head_dim, seed=1))
-    want = torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
-                                                            scale=0.3, enable_gqa=True)
+    want = sdpa_in_fp32(query, key, value, mask, 0.3)
     got = shims.call("masked_attention", query, key, value, mask, 0.3)
     assert got.dtype == torch.bfloat16 and got.shape == query.shape
     # fp32 sums in another order than sdpa's move a value by an ulp of fp32, which can flip its bf16 rounding
     torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=8e-3, atol=1e-5)
     dense = torch.ones(rows, cells, dtype=torch.bool)
-    want = torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=dense,
-                                                            scale=0.3, enable_gqa=True)
+    want = sdpa_in_fp32(query, key, value, dense, 0.3)
     torch.testing.assert_close(shims.call("masked_attention", query, key, value, dense, 0.3).float(),
                                want.bfloat16().float(), rtol=8e-3, atol=1e-5)
 
@@ -165,8 +170,7 @@ def test_masked_attention_over_one_sessions_rows(isa, shims, heads, kv_heads, ro
     for t in range(rows):
         mask[t, own[: history + t + 1]] = True
     query, key, value = (t.to(dtype) for t in (query, key, value))
-    want = torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
-                                                            scale=0.3, enable_gqa=True)
+    want = sdpa_in_fp32(query, key, value, mask, 0.3)
     got = shims.call("masked_attention", query, key, value, mask, 0.3)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -227,8 +231,7 @@ def test_the_shim_takes_a_causal_slice_as_history_and_own_cells(shims, heads, kv
     want = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=0.3, enable_gqa=True)
     torch.testing.assert_close(shims.call("masked_attention", query, key, value, mask, 0.3), want, rtol=1e-5, atol=1e-5)
     query, key, value = query.bfloat16(), key.bfloat16(), value.bfloat16()
-    want = torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
-                                                            scale=0.3, enable_gqa=True)
+    want = sdpa_in_fp32(query, key, value, mask, 0.3)
     got = shims.call("masked_attention", query, key, value, mask, 0.3)
     assert got.dtype == torch.bfloat16
     # two bf16 results merged: an ulp of bf16 each
@@ -301,8 +304,7 @@ def test_the_shim_takes_several_sessions_slices_apart(shims, slices, interleave,
     # one row a session: the two calls a slice cost more than the mask's extra scores
     assert shims.attention_route(mask) == (("mask", 0) if len(slices) == 20 else ("slices", len(slices)))
     query, key, value = (t.to(dtype) for t in (query, key, value))
-    want = torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
-                                                            scale=0.3, enable_gqa=True)
+    want = sdpa_in_fp32(query, key, value, mask, 0.3)
     got = shims.call("masked_attention", query, key, value, mask, 0.3)
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -334,8 +336,7 @@ def test_masked_attention_splits_a_rows_cells_among_threads(isa, shims, threads,
                                for t in attention_operands(9, kv_heads, rows, 700, 64, seed=2))
     mask[0, :470] = False
     mask[1:] = False
-    want = torch.nn.functional.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
-                                                            scale=0.3, enable_gqa=True)
+    want = sdpa_in_fp32(query, key, value, mask, 0.3)
     want[:, :, 1:] = 0.0  # sdpa's NaN for a row that sees nothing; the kernel gives zeros
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
