@@ -247,7 +247,10 @@ def main() -> None:
                       llama_rates(binaries, gguf, args.threads, args.omp_passive))
         for item in args.package:
             label, _, path = item.partition("=")
-            keep_best(result.setdefault(label, {}), ours(Path(path), model if args.shape else None))
+            try:
+                keep_best(result.setdefault(label, {}), ours(Path(path), model if args.shape else None))
+            except subprocess.CalledProcessError as e:  # one package failing leaves the others' figures
+                result[label]["error"] = f"{Path(e.cmd[1]).name} exited with {e.returncode} (its stderr is above)"
     emit(result)
 
 
