@@ -18,6 +18,11 @@ own, merged) beside sdpa through the mask; and one session's few rows over
 30 layers' pools in turn, the kernel against sdpa (which the shim picks for
 4+ fp32 rows that see most cells).
 
+Several sessions' slices in one step (a server's prefill of several
+prompts; one-row slices: decode rows past a static method's 16) go through
+the shim, which takes them apart by session when its route says so, beside
+sdpa through the mask: the figures that set the route's rule (shims.cpp).
+
     python bench/attention_kernels.py
 """
 
@@ -92,6 +97,39 @@ def measure_slice(tokens: int, history: int) -> dict:
     return row
 
 
+# several sessions' slices in one step (a prefill of several prompts, decode rows past a static method's):
+# (sessions, each one's earlier cells, each one's rows)
+SESSIONS_SLICES = [(20, 30, 1), (20, 100, 1), (20, 300, 1), (40, 300, 1), (12, 50, 2), (10, 200, 4), (16, 0, 220)]
+
+
+def measure_sessions_slices(sessions: int, history: int, tokens: int) -> dict:
+    """A step of `sessions` sessions' slices, each session's cells in a block:
+    the shim (the way its route takes) against sdpa through the mask."""
+    from kvexport.partitioners.aoti.kernels.build import Shims
+
+    own = history + tokens
+    cells, rows = sessions * own, sessions * tokens
+    position = torch.arange(cells) % own
+    mask = ((torch.arange(cells) // own)[None, :] == (torch.arange(rows) // tokens)[:, None]) & (
+        position[None, :] <= (torch.arange(rows) % tokens + history)[:, None])
+    q = torch.randn(1, HEADS, rows, HEAD_DIM)
+    k_pool, v_pool = torch.randn(cells, KV_HEADS, HEAD_DIM), torch.randn(cells, KV_HEADS, HEAD_DIM)
+    k, v = k_pool.permute(1, 0, 2).unsqueeze(0), v_pool.permute(1, 0, 2).unsqueeze(0)
+    shims, scale = Shims(), HEAD_DIM ** -0.5
+
+    def shim():
+        return shims.call("masked_attention", q, k, v, mask, scale)
+
+    def through_mask():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    row = {"sessions": sessions, "earlier_cells": history, "rows_each": tokens, "route": shims.attention_route(mask)[0],
+           "max_abs_diff_from_sdpa": float((shim() - through_mask()).abs().max())}
+    for f in (shim, through_mask):
+        row[f"{f.__name__}_ms"] = round(best_of(f, 9) * 1e3, 3)
+    return row
+
+
 LAYER_SHAPES = [(4, 300), (8, 100), (8, 1024), (16, 1024)]  # one session's (rows, earlier cells), 30 layers' pools
 
 
@@ -137,6 +175,7 @@ def main() -> None:
     if supported():
         rows += [measure_slice(tokens, history) for tokens, history in SLICE_SHAPES]
         rows += [measure_layers(tokens, history) for tokens, history in LAYER_SHAPES]
+        rows += [measure_sessions_slices(*shape) for shape in SESSIONS_SLICES]
     emit({"cpu": cpu_model(), "threads": torch.get_num_threads(), "rows": rows})
 
 

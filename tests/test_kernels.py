@@ -286,23 +286,27 @@ def sessions_slices_operands(heads, kv_heads, slices, head_dim, interleave=False
     return query, key, value, mask
 
 
-# a server's prefill of several prompts (no history, or a history from an
-# earlier slice), with decode rows among them, sessions' cells in blocks or
-# interleaved; slices of one row each (decode rows past a static method's 16)
-SESSIONS_CASES = [([(0, 40), (0, 25), (0, 60)], False), ([(30, 50), (0, 7), (100, 1), (5, 33)], True),
-                  ([(12, 1)] * 20, False), ([(0, 300), (64, 1), (0, 20)], True)]
+# a server's prefill of several prompts, sessions' cells in blocks or
+# interleaved, and the way the shim takes each: prompts from scratch; prompts
+# with histories and decode rows among them (apart: each row sees an eighth of
+# the cells); one-row slices over few cells each, where the calls would cost
+# more than the mask's extra scores; a long prompt beside short ones, whose
+# causal blocks cost more than scoring the others' few cells
+SESSIONS_CASES = [([(0, 120)] * 5, False, "slices"),
+                  ([(300, 10), (0, 9), (600, 1), (200, 12), (50, 3), (400, 1), (0, 20), (100, 8)], True, "slices"),
+                  ([(12, 1)] * 20, False, "mask"), ([(0, 300), (64, 1), (0, 20)], True, "mask")]
 
 
-@pytest.mark.parametrize("slices,interleave", SESSIONS_CASES)
+@pytest.mark.parametrize("slices,interleave,way", SESSIONS_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_shim_takes_several_sessions_slices_apart(shims, slices, interleave, dtype):
+def test_the_shim_takes_several_sessions_slices_apart(shims, slices, interleave, way, dtype):
     """Over more rows than a static method takes, a step of several
     sessions' causal slices attends each slice over its own session's cells
-    (dense history, causal own cells), not every row over every cell: the
-    result is sdpa's through the mask."""
+    (dense history, causal own cells) where that costs less than scoring
+    every row against every cell through the mask: either way the result is
+    sdpa's through the mask."""
     query, key, value, mask = sessions_slices_operands(6, 2, slices, 32, interleave)
-    # one row a session: the two calls a slice cost more than the mask's extra scores
-    assert shims.attention_route(mask) == (("mask", 0) if len(slices) == 20 else ("slices", len(slices)))
+    assert shims.attention_route(mask) == (way, len(slices) if way == "slices" else 0)
     query, key, value = (t.to(dtype) for t in (query, key, value))
     want = sdpa_in_fp32(query, key, value, mask, 0.3)
     got = shims.call("masked_attention", query, key, value, mask, 0.3)

@@ -145,9 +145,15 @@ struct CausalSlice {
 // at most this many slices a step: past it (rows that each start a slice, as
 // under a sliding window) the calls would cost more than the mask's extra scores
 constexpr size_t MAX_SLICES = 64;
-// several slices are taken apart when the cells their rows see, with this many
-// more a slice for its two calls, are under half of what the mask scores
-constexpr int64_t SLICE_CALL_CELLS = 256;
+// several slices are taken apart when SLICE_CELL_COST x the cells their rows
+// see, plus SLICE_CALL_CELLS a slice for its two calls, is under what the mask
+// scores (T x C): scored through the mask a cell cost about 10 ns, apart about
+// 45 (causal blocks, gathered cells), and a slice's calls about 20 us
+// (bench/attention_kernels.py, several sessions' slices, on an Intel Xeon:
+// 20 one-row slices over 300 cells each 0.99 ms apart against 2.28 through the
+// mask, over 30 cells 0.39 against 0.18; 16 prompts of 220 rows 18 against 129)
+constexpr int64_t SLICE_CELL_COST = 4;
+constexpr int64_t SLICE_CALL_CELLS = 2048;
 
 // whether the mask's rows are a run of causal slices, and their cells: a
 // slice's first row sees its history and one own cell, and each next row what
@@ -300,7 +306,8 @@ enum Route { KERNEL = 0, MASK = 1, SLICES = 2 };
 Route route(const Operand& mask, int64_t T, int64_t C, bool fp32, std::vector<CausalSlice>& slices) {
   int64_t visible;
   if ((T >= CAUSAL_MIN_ROWS || T > SPARSE_MAX_ROWS) && C > 0 && causal_slices(mask, T, C, slices, visible) &&
-      (slices.size() == 1 ? T >= CAUSAL_MIN_ROWS : 2 * (visible + SLICE_CALL_CELLS * (int64_t)slices.size()) < T * C))
+      (slices.size() == 1 ? T >= CAUSAL_MIN_ROWS
+                           : SLICE_CELL_COST * visible + SLICE_CALL_CELLS * (int64_t)slices.size() < T * C))
     return SLICES;
   if (T > SPARSE_MAX_ROWS || (T >= DENSE_MIN_ROWS && fp32 && dense(mask, T, C))) return MASK;
   return KERNEL;
