@@ -75,13 +75,19 @@ SLICE_SHAPES = [(8, 64), (8, 1024), (128, 128), (128, 1536), (256, 1024), (512, 
 
 def measure_slice(tokens: int, history: int) -> dict:
     """One session's slice through the shim (what forward_others calls) and through sdpa with the mask."""
-    from kvexport.partitioners.aoti.kernels.build import Shims
-
     cells = history + tokens
     q = torch.randn(1, HEADS, tokens, HEAD_DIM)
     k_pool, v_pool = torch.randn(cells, KV_HEADS, HEAD_DIM), torch.randn(cells, KV_HEADS, HEAD_DIM)
     mask = torch.arange(cells)[None, :] <= (torch.arange(tokens) + history)[:, None]
     k, v = k_pool.permute(1, 0, 2).unsqueeze(0), v_pool.permute(1, 0, 2).unsqueeze(0)
+    return {"slice_rows": tokens, "earlier_cells": history} | shim_against_mask(q, k, v, mask, 5)
+
+
+def shim_against_mask(q, k, v, mask, repeats: int) -> dict:
+    """The masked attention shim (as compiled methods call it) against sdpa
+    through the mask: the shim's route, their largest difference, ms each."""
+    from kvexport.partitioners.aoti.kernels.build import Shims
+
     shims, scale = Shims(), HEAD_DIM ** -0.5
 
     def shim():
@@ -90,10 +96,9 @@ def measure_slice(tokens: int, history: int) -> dict:
     def through_mask():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
-    row = {"slice_rows": tokens, "earlier_cells": history,
-           "max_abs_diff_from_sdpa": float((shim() - through_mask()).abs().max())}
+    row = {"route": shims.attention_route(mask)[0], "max_abs_diff_from_sdpa": float((shim() - through_mask()).abs().max())}
     for f in (shim, through_mask):
-        row[f"{f.__name__}_ms"] = round(best_of(f, 5) * 1e3, 3)
+        row[f"{f.__name__}_ms"] = round(best_of(f, repeats) * 1e3, 3)
     return row
 
 
@@ -105,8 +110,6 @@ SESSIONS_SLICES = [(20, 30, 1), (20, 100, 1), (20, 300, 1), (40, 300, 1), (12, 5
 def measure_sessions_slices(sessions: int, history: int, tokens: int) -> dict:
     """A step of `sessions` sessions' slices, each session's cells in a block:
     the shim (the way its route takes) against sdpa through the mask."""
-    from kvexport.partitioners.aoti.kernels.build import Shims
-
     own = history + tokens
     cells, rows = sessions * own, sessions * tokens
     position = torch.arange(cells) % own
@@ -115,19 +118,7 @@ def measure_sessions_slices(sessions: int, history: int, tokens: int) -> dict:
     q = torch.randn(1, HEADS, rows, HEAD_DIM)
     k_pool, v_pool = torch.randn(cells, KV_HEADS, HEAD_DIM), torch.randn(cells, KV_HEADS, HEAD_DIM)
     k, v = k_pool.permute(1, 0, 2).unsqueeze(0), v_pool.permute(1, 0, 2).unsqueeze(0)
-    shims, scale = Shims(), HEAD_DIM ** -0.5
-
-    def shim():
-        return shims.call("masked_attention", q, k, v, mask, scale)
-
-    def through_mask():
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-
-    row = {"sessions": sessions, "earlier_cells": history, "rows_each": tokens, "route": shims.attention_route(mask)[0],
-           "max_abs_diff_from_sdpa": float((shim() - through_mask()).abs().max())}
-    for f in (shim, through_mask):
-        row[f"{f.__name__}_ms"] = round(best_of(f, 9) * 1e3, 3)
-    return row
+    return {"sessions": sessions, "earlier_cells": history, "rows_each": tokens} | shim_against_mask(q, k, v, mask, 9)
 
 
 LAYER_SHAPES = [(4, 300), (8, 100), (8, 1024), (16, 1024)]  # one session's (rows, earlier cells), 30 layers' pools
