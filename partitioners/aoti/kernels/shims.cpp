@@ -150,8 +150,9 @@ constexpr size_t MAX_SLICES = 64;
 // scores (T x C): scored through the mask a cell cost about 10 ns, apart about
 // 45 (causal blocks, gathered cells), and a slice's calls about 20 us
 // (bench/attention_kernels.py, several sessions' slices, on an Intel Xeon:
-// 20 one-row slices over 300 cells each 0.99 ms apart against 2.28 through the
-// mask, over 30 cells 0.39 against 0.18; 16 prompts of 220 rows 18 against 129)
+// 20 one-row slices over 300 cells each 0.89 ms apart against 2.03 through the
+// mask, over 30 cells each 0.39 apart against 0.18; 16 prompts of 220 rows 17
+// against 129)
 constexpr int64_t SLICE_CELL_COST = 4;
 constexpr int64_t SLICE_CALL_CELLS = 2048;
 
