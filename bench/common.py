@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import shutil
@@ -61,13 +60,9 @@ def code_digest() -> str:
     import kvexport.exporter
     import kvexport.partitioners
     import kvexport.passes
+    from kvexport.partitioners.aoti.compile_cache import source_digest
 
-    digest = hashlib.sha256()
-    for package in (kvexport.contract, kvexport.exporter, kvexport.partitioners, kvexport.passes):
-        for root in map(Path, package.__path__):
-            for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h")):
-                digest.update(f"{package.__name__}/{path.relative_to(root).as_posix()}".encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:10]
+    return source_digest(kvexport.contract, kvexport.exporter, kvexport.partitioners, kvexport.passes)[:10]
 
 
 def drop_older(out: Path) -> None:

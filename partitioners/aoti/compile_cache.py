@@ -93,8 +93,15 @@ def _code_digest() -> str:
     import kvexport.partitioners
     import kvexport.passes
 
+    return source_digest(kvexport.contract, kvexport.partitioners, kvexport.passes)
+
+
+def source_digest(*packages) -> str:
+    """A digest of these import packages' code (.py, .cpp, .h), file by file
+    under their names: the compile cache's key, and the benches' for the
+    packages they export once."""
     digest = hashlib.sha256()
-    for package in (kvexport.contract, kvexport.partitioners, kvexport.passes):
+    for package in packages:
         for root in map(Path, package.__path__):
             for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".cpp", ".h")):
                 digest.update(f"{package.__name__}/{path.relative_to(root).as_posix()}".encode() + b"\0" + path.read_bytes())
