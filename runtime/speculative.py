@@ -115,7 +115,14 @@ class SpeculationStats:
         """How often a draft is kept when every one before it was, over
         every sequence so far: a new sequence's first estimate (`prior`
         before any)."""
-        return (self.accepted + 2 * self.prior) / (self.accepted + self.refusals + 2)
+        return keep_rate(self.accepted, self.refusals, self.prior)
+
+
+def keep_rate(kept: float, refused: float, prior: float) -> float:
+    """How often a draft is kept when every one before it was: `kept`
+    drafts kept and `refused` rounds ended by a refusal, with two rounds at
+    the `prior` rate added (so it is below 1, and `prior` before any)."""
+    return (kept + 2 * prior) / (kept + refused + 2)
 
 
 @dataclass
@@ -259,7 +266,7 @@ class Drafting:
         every sequence's rounds say."""
         if self.shared is not None:
             return self.shared.expected_kept(k)
-        rate = (self.kept + 2 * self.prior) / (self.kept + self.refused + 2)  # below 1
+        rate = keep_rate(self.kept, self.refused, self.prior)
         return rate * (1 - rate**k) / (1 - rate)
 
     def record(self, drafted: int, kept: int) -> None:
