@@ -80,6 +80,21 @@ def test_row_kernel_linear_takes_its_row_counts_and_leaves_the_rest_to_the_blas(
     torch.testing.assert_close(program.module()(tokens), block(tokens), rtol=1e-5, atol=1e-5)
 
 
+def test_row_kernel_takes_bf16_products_over_every_row_count_where_asked():
+    """Where torch's bf16 GEMM is slow (AVX2), bf16 linears over dynamic rows
+    (a prefill slice) take the kernel too; fp32 ones stay on the BLAS, and
+    without the flag bf16 ones do."""
+    torch.manual_seed(0)
+    tokens = tokens_of(4)
+    for dtype, every, taken in ((torch.bfloat16, True, 2), (torch.bfloat16, False, 0), (torch.float32, True, 0)):
+        block = Block().eval().to(dtype)
+        program = exported(block, tokens, dynamic=True)
+        run_passes(program.graph_module, [RowsLinearPass((1, 2), bf16_every_row_count=every)], "m")
+        assert targets(program).count(ROWS_LINEAR) == taken, (dtype, every)
+        other = tokens_of(11)
+        torch.testing.assert_close(program.module()(other), block(other), atol=1e-2, rtol=2e-2)  # bf16 roundings
+
+
 def test_row_kernel_linear_leaves_weights_it_cannot_read_row_by_row():
     class Sliced(nn.Module):
         def __init__(self):

@@ -80,6 +80,16 @@ def test_rows_linear_reads_bf16(isa, shims, rows, out_features, width, row_strid
     assert torch.equal(got, build.rows_linear(x, weight, isa=isa).bfloat16())
 
 
+@pytest.mark.parametrize("rows,row_stride", [(12, 100), (40, 0)])
+def test_bf16_rows_over_several_passes_give_each_rows_own_sums(isa, rows, row_stride):
+    """Over more rows than a pass takes (a prefill slice's, where torch's bf16
+    GEMM is slow), each row's outputs are the exact bits it gets alone."""
+    x, weight = (t.bfloat16() for t in rows_operands(rows, 45, 70, row_stride))
+    together = build.rows_linear(x, weight, isa=isa, products="shift")
+    for row in range(rows):
+        assert torch.equal(together[row], build.rows_linear(x[row:row + 1], weight, isa=isa, products="shift")[0]), row
+
+
 @pytest.mark.compile
 def test_the_bf16_kernel_runs_vdpbf16ps_where_the_cpu_has_it(isa):
     """The entry compiled code calls is the vdpbf16ps build on a CPU with

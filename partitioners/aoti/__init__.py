@@ -26,6 +26,9 @@ class AotiOptions(BackendOptions):
     packed_rows: tuple[int, ...] = ()
     # static row counts whose attention runs on the masked attention kernel: every one unless --row-kernel off
     attention_rows: tuple[int, ...] = ()
+    # bf16 products over every row count (prefill slices too) run on the row kernel: where torch's own bf16
+    # GEMM is slow (kernels/build.py: fast_bf16_gemm)
+    bf16_every_row_count: bool = False
 
 
 def _check_spec(spec) -> None:
@@ -48,12 +51,14 @@ def _configure(spec) -> AotiOptions:
     rows, packed = kernel_rows(spec.device, mode), packed_rows(spec.device, spec.packed_kernel)
     # the probe times products, not attention: the attention kernel takes every static row count
     attention = kernel_rows(spec.device, "off" if spec.row_kernel == "off" else "on")
+    bf16_every = False
     if rows or packed or attention:
-        from kvexport.partitioners.aoti.kernels.build import archive_dir
+        from kvexport.partitioners.aoti.kernels.build import archive_dir, fast_bf16_gemm
 
         archive_dir()  # built (once per machine) before any work, so a missing compiler fails first
+        bf16_every = spec.dtype == "bf16" and bool(rows) and not fast_bf16_gemm()
     return AotiOptions(spec.device, _compile_workers(spec), int8_products=bool(packed), kernel_rows=rows,
-                       packed_rows=packed, attention_rows=attention)
+                       packed_rows=packed, attention_rows=attention, bf16_every_row_count=bf16_every)
 
 
 def _compile_workers(spec) -> int:
@@ -73,7 +78,8 @@ def _manifest_entry(options: AotiOptions) -> dict:
 
     return {"target": compile_target(options.device) | {"fp32_kernel_rows": list(options.kernel_rows),
                                                         "packed_kernel_rows": list(options.packed_rows),
-                                                        "attention_kernel_rows": list(options.attention_rows)}}
+                                                        "attention_kernel_rows": list(options.attention_rows),
+                                                        "bf16_kernel_every_row_count": options.bf16_every_row_count}}
 
 
 def _compile(ctx: CompileContext) -> dict[str, str]:
@@ -87,6 +93,8 @@ def _compile(ctx: CompileContext) -> dict[str, str]:
     archive = archive_dir() if rows or packed or attention else None
     if rows:
         ctx.progress(f"kvexport's kernel for float products over {','.join(map(str, rows))} rows: {archive}")
+    if options.bf16_every_row_count:
+        ctx.progress("kvexport's kernel for bf16 products over every row count (torch's bf16 GEMM is slow here)")
     if attention:
         ctx.progress(f"kvexport's kernel for attention over {attention[0]}..{attention[-1]} rows")
     if packed:
@@ -94,7 +102,7 @@ def _compile(ctx: CompileContext) -> dict[str, str]:
     jobs = [
         CompileJob(name, ctx.root / entry["program"], ctx.weights, ctx.bindings[name], ctx.aliases, entry["inputs"],
                    ctx.root / program_path(name, compiled=True), options.device, entry.get("state", []),
-                   rows, archive, packed, attention_rows=attention)
+                   rows, archive, packed, attention_rows=attention, bf16_every_row_count=options.bf16_every_row_count)
         for name, entry in ctx.methods.items()
     ]
     compile_methods(jobs, options.compile_workers, ctx.progress)
@@ -104,7 +112,7 @@ def _compile(ctx: CompileContext) -> dict[str, str]:
 def _compile_passes(options: AotiOptions) -> list:
     from kvexport.partitioners.aoti.passes import compile_passes
 
-    return compile_passes(options.kernel_rows, options.packed_rows, options.attention_rows)
+    return compile_passes(options.kernel_rows, options.packed_rows, options.attention_rows, options.bf16_every_row_count)
 
 
 register_backend(

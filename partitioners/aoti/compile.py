@@ -56,11 +56,12 @@ class CompileJob:
     packed_rows: tuple = ()  # products by packed weights over these static row counts call the packed kernel
     threads: int = 0  # torch's threads while compiling (inductor splits loops by them); 0: the exporter's
     attention_rows: tuple = ()  # attention over these static row counts calls the masked attention kernel
+    bf16_every_row_count: bool = False  # bf16 linears over any rows call the row kernel (AVX2: no fast bf16 GEMM)
 
 
 def configs_of(job: CompileJob) -> dict:
     """The inductor settings `job` compiles with."""
-    if not (job.kernel_rows or job.packed_rows or job.attention_rows):
+    if not (job.kernel_rows or job.packed_rows or job.attention_rows or job.bf16_every_row_count):
         return _known(INDUCTOR_CONFIGS)
     from kvexport.partitioners.aoti.kernels.build import inductor_configs
 
@@ -128,11 +129,11 @@ def compile_one(job: CompileJob) -> tuple[str, float, dict[str, int], bool]:
     program = torch_compat.graph_from_json(gzip.decompress(job.graph.read_bytes()), state, constants)
     program.example_inputs = (tuple(t.to(job.device) for t in example_inputs(job.inputs)), {})
     calls: dict[str, int] = {}
-    if job.kernel_rows or job.packed_rows or job.attention_rows:
+    if job.kernel_rows or job.packed_rows or job.attention_rows or job.bf16_every_row_count:
         from kvexport.partitioners.aoti.passes import compile_passes
         from kvexport.passes.base import run_passes
 
-        passes = compile_passes(job.kernel_rows, job.packed_rows, job.attention_rows)
+        passes = compile_passes(job.kernel_rows, job.packed_rows, job.attention_rows, job.bf16_every_row_count)
         run_passes(program.graph_module, passes, job.method)
         for node in program.graph_module.graph.nodes:
             if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "kvexport":

@@ -66,7 +66,7 @@ def key(job, configs: dict) -> str:
 
     compiler = get_cpp_compiler()
     part(FORMAT, job.method, job.threads, job.inputs, job.device, list(job.state), list(job.kernel_rows), list(job.packed_rows),
-         list(job.attention_rows),
+         list(job.attention_rows), job.bf16_every_row_count,
          job.kernel_archive.name if job.kernel_archive else None, {k: repr(v) for k, v in sorted(configs.items())}, torch.__version__,
          str(pick_vec_isa()), os.environ.get("ATEN_CPU_CAPABILITY"), compiler, compiler_version(compiler), _code_digest(),
          dynamic_int8_bits() if job.packed_rows else None)

@@ -159,6 +159,15 @@ def packed_linear(x, words, scale, offset, bits: int, rows: int, out=None, isa: 
     return out
 
 
+def fast_bf16_gemm(isa: str | None = None) -> bool:
+    """Whether torch multiplies bf16 matrices fast in code for `isa`
+    (inductor's by default): torch calls oneDNN's bf16 GEMM only on CPUs with
+    AVX-512, and an AVX2 CPU gets ATen's generic one, 34 GFLOPS over a
+    512-row prefill's products where the row kernel ran 131 (Intel Xeon, AVX2
+    code, bench/bf16_products.py)."""
+    return (isa or _isa()) == "avx512"
+
+
 def has_vnni(isa: str | None = None) -> bool:
     """Whether this CPU has the VNNI that int8_linear's build for `isa`
     uses (AVX-VNNI for AVX2, AVX512-VNNI for AVX-512)."""

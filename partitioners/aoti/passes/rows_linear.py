@@ -3,6 +3,11 @@ kvexport's row kernel (kernels/rows_linear.cpp) in AOTInductor's compiled
 code. A bf16 weight is read as bf16 (half fp32's bytes) and multiplied in
 fp32; the result is rounded to bf16, as torch's bf16 linear rounds it.
 
+Where torch has no fast bf16 product (an AVX2 CPU: no AVX-512, so no oneDNN
+bf16 GEMM, and ATen's own bf16 GEMM ran 34 GFLOPS on a prefill's products
+where the row kernel ran 131, bench/bf16_products.py), bf16 linears take the
+kernel at every row count, prefill slices and dynamic rows included.
+
 The kernel reads each weight once at close to the memory's streaming rate
 while it multiplies up to 8 rows in registers; the BLAS's small-row GEMM
 reads at half that rate or less on some CPUs (bench/floor.py). Which row
@@ -70,8 +75,9 @@ class RowsLinearPass(RewritePass):
     name = "rows_linear"
     leftover = "fp32 and bf16 linears over the row kernel's row counts left on the BLAS"
 
-    def __init__(self, rows: tuple[int, ...]):
+    def __init__(self, rows: tuple[int, ...], bf16_every_row_count: bool = False):
         self.rows = frozenset(rows)
+        self.bf16_every_row_count = bf16_every_row_count
 
     def candidates(self, graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
         """Linears whose weight the kernel reads row by row: 2-d, contiguous
@@ -82,8 +88,10 @@ class RowsLinearPass(RewritePass):
                 continue
             given = arguments(node)
             x, weight = given["input"], given["weight"].meta.get("val")
-            if (type(weight) is FakeTensor and weight.dim() == 2 and weight.dtype in KERNEL_DTYPES
-                    and weight.is_contiguous() and x.meta["val"].dtype == weight.dtype and static_rows(x) in self.rows):
+            if not (type(weight) is FakeTensor and weight.dim() == 2 and weight.dtype in KERNEL_DTYPES
+                    and weight.is_contiguous() and x.meta["val"].dtype == weight.dtype):
+                continue
+            if static_rows(x) in self.rows or (self.bf16_every_row_count and weight.dtype == torch.bfloat16):
                 found.append(node)
         return found
 
