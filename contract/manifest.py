@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kvexport.contract.errors import PackageError
+from kvexport.contract.program_check import dotted_name
 
 FORMAT = "kvexport.package"
 FORMAT_VERSION = 1
@@ -248,19 +249,20 @@ def check_bindings(manifest: dict) -> list[str]:
     problems = []
     weights = manifest.get("weights", {})
     aliases = weights.get("aliases", {}) if isinstance(weights, dict) else None
-    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
-        problems.append("weights.aliases: expected an object of tensor names")
+    if not isinstance(aliases, dict) or not all(dotted_name(k) and dotted_name(v) for k, v in aliases.items()):
+        problems.append("weights.aliases: expected an object of tensor names (dotted names like model.norm.weight)")
     for name, entry in manifest["methods"].items():
         if not isinstance(entry, dict):
             continue  # named by the contract's method check
         names = entry.get("weights")
         if not isinstance(names, dict) or not all(
-            isinstance(names.get(k), list) and all(isinstance(n, str) for n in names[k])
+            isinstance(names.get(k), list) and all(map(dotted_name, names[k]))
             for k in BINDING_KINDS
             if k in names or k != "state"  # the runtime reads the first three; state only where it allocates some
         ):
             problems.append(
-                f"methods.{name}.weights: expected lists of tensor names ({', '.join(BINDING_KINDS[:3])}, and state if any)"
+                f"methods.{name}.weights: expected lists of tensor names ({', '.join(BINDING_KINDS[:3])}, and state if any), "
+                "each a dotted name like model.norm.weight"
             )
             continue
         bound_state = set(names.get("state", []))

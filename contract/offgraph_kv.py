@@ -151,6 +151,11 @@ _OFFGRAPH_METADATA_TYPES: dict[str, tuple[str, Any]] = {
 }
 
 
+# a cell of Llama 3.1 405B holds 258,048 values (126 layers, 8 heads of 128);
+# 64 x that bounds the pool a package can ask for per cell
+MAX_CELL_VALUES = 1 << 24
+
+
 def check_offgraph_metadata(metadata: dict) -> list[str]:
     problems = check_types(metadata, _OFFGRAPH_METADATA_TYPES)
     chunk = metadata.get("get_min_prefill_chunk", 1)  # optional, default 1
@@ -162,6 +167,11 @@ def check_offgraph_metadata(metadata: dict) -> list[str]:
     for key in ("get_kv_heads", "get_head_dims", "get_windows"):
         if len(metadata[key]) != n:
             problems.append(f"metadata.{key}: has {len(metadata[key])} entries, get_n_caches is {n}")
+    if not problems and (values := sum(2 * h * d for h, d in zip(metadata["get_kv_heads"], metadata["get_head_dims"]))) > MAX_CELL_VALUES:
+        problems.append(
+            f"metadata: a cell of {values} values (2 x kv heads x head dim over {n} layers) is more than the "
+            f"{MAX_CELL_VALUES} a model needs"
+        )
     if metadata["get_logits_to_keep_mode"] != LOGITS_MODE_SELECTED:
         problems.append(
             f"metadata.get_logits_to_keep_mode: this contract selects rows (mode {LOGITS_MODE_SELECTED}), "

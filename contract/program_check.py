@@ -18,7 +18,11 @@ offending text named, unless:
   signature, is a plain identifier, and the signature's pytree specs hold
   only tuples, lists and dicts: torch writes those names into the Python
   source of the rebuilt module, and decodes a spec's context with a hook
-  that imports whatever module it names.
+  that imports whatever module it names;
+- the graph signature holds only the input and output kinds kvexport's
+  methods have, and every tensor and module name in it (`parameter_name`,
+  `buffer_name`, a call's `fqn`, ...) is a dotted name: torch writes those
+  into `getattr(self, "...")` lines of the rebuilt module's source.
 
 `parse_sym_expr` also builds the sympy expression itself from the parse, so
 loading never calls `sympify` on package text (see torch_compat).
@@ -27,6 +31,7 @@ loading never calls `sympify` on package text (see torch_compat).
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import keyword
 import re
@@ -36,6 +41,12 @@ from kvexport.contract.op_allowlist import DEFAULT_LIMITS, ProgramLimits, argume
 
 SYMBOL_NAME = re.compile(r"[a-z]{1,8}[0-9]{1,9}")
 MAX_EXPR_CHARS = 4096  # torch writes a few hundred at most; bounds the parse
+# sympy's Min and Max compare their arguments pairwise as they are built:
+# 64 symbols in one Max took 3.5 s, 280 took 25 s. kvexport's programs hold
+# at most a few symbols and integers an expression, and about ten distinct
+# expressions a program.
+MAX_EXPR_LEAVES = 12
+MAX_PROGRAM_EXPRS = 128
 _ASSUMPTIONS = ("positive", "integer", "nonnegative", "negative", "real", "finite")
 
 
@@ -68,16 +79,26 @@ _FUNCTIONS: dict[str, Callable] | None = None
 
 def parse_sym_expr(text: Any) -> Any:
     """The sympy expression a stored `expr_str` denotes, built from its
-    `ast` parse; raises UnsafeProgram for anything outside the grammar."""
-    global _FUNCTIONS
+    `ast` parse; raises UnsafeProgram for anything outside the grammar.
+    The check and torch's deserializer parse each expression of a program,
+    hundreds of times the same few: each text is built once."""
     if not isinstance(text, str):
         raise UnsafeProgram(f"expression is not a string: {text!r:.80}")
+    return _parse_text(text)
+
+
+@functools.lru_cache(maxsize=4 * MAX_PROGRAM_EXPRS)
+def _parse_text(text: str) -> Any:
+    global _FUNCTIONS
     if len(text) > MAX_EXPR_CHARS:
         raise UnsafeProgram(f"expression of {len(text)} characters (at most {MAX_EXPR_CHARS})")
     try:
         tree = ast.parse(text, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         raise UnsafeProgram(f"expression {text!r:.120} does not parse ({type(e).__name__})") from None
+    leaves = sum(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("Symbol", "Integer") for n in ast.walk(tree))
+    if leaves > MAX_EXPR_LEAVES:
+        raise UnsafeProgram(f"expression {text!r:.120} has {leaves} symbols and integers (at most {MAX_EXPR_LEAVES})")
     if _FUNCTIONS is None:
         _FUNCTIONS = _functions()
     try:
@@ -176,17 +197,28 @@ def check_program(method: str, program: Any, limits: ProgramLimits = DEFAULT_LIM
     if isinstance(calls, list) and calls and not (isinstance(calls[0], dict) and calls[0].get("fqn") == ""):
         problems.append(f"{where}: graph_module.module_call_graph[0] must be the root module's (fqn ''), found {calls[0]!r:.80}")
     problems += [f"{where}: {why}" for why in _signature_problems(calls)]
+    problems += [f"{where}: {why}" for why in _graph_signature_problems(program["graph_module"].get("signature"))]
+    module_names = [c.get("fqn") for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
+    problems += [
+        f"{where}: graph_module.module_call_graph names module {n!r:.120}, not a dotted name"
+        for n in module_names if n != "" and not dotted_name(n)
+    ]
     # torch 2.13 writes a graph input's name verbatim into the rebuilt
     # module's `def forward(...)` line; every value name must be plain.
     names = {v for k, v in _walk(program["graph_module"]) if k in ("name", "as_name") and isinstance(v, str) and v}
     problems += [f"{where}: value name {n!r:.120} is not a plain identifier" for n in sorted(names) if not _identifier(n)]
     problems += [f"{where}: {why}" for why in _node_problems(program, limits)]
-    for key, value in _walk(program):
-        if key == "expr_str":
-            try:
-                parse_sym_expr(value)
-            except UnsafeProgram as e:
-                problems.append(f"{where}: {e}")
+    stored = [v for k, v in _walk(program) if k == "expr_str"]
+    problems += [f"{where}: expression is not a string: {v!r:.80}" for v in stored if not isinstance(v, str)][:3]
+    expressions = {v for v in stored if isinstance(v, str)}
+    if len(expressions) > MAX_PROGRAM_EXPRS:
+        problems.append(f"{where}: {len(expressions)} distinct symbolic expressions (at most {MAX_PROGRAM_EXPRS})")
+        expressions = set()
+    for value in sorted(expressions):
+        try:
+            parse_sym_expr(value)
+        except UnsafeProgram as e:
+            problems.append(f"{where}: {e}")
     return problems[:20] + ([f"{where}: ... and {len(problems) - 20} more"] if len(problems) > 20 else [])
 
 
@@ -226,6 +258,40 @@ MAX_SPEC_CHARS = 1 << 20
 
 def _identifier(name: Any) -> bool:
     return isinstance(name, str) and name.isascii() and name.isidentifier() and not keyword.iskeyword(name)
+
+
+DOTTED_NAME = re.compile(r"[A-Za-z0-9_]{1,200}(\.[A-Za-z0-9_]{1,200}){0,63}")
+# the kinds of graph-signature entries a kvexport method has: tensors in,
+# parameters, buffers and lifted constants bound, tensors and mutated state out
+INPUT_KINDS = ("user_input", "parameter", "buffer", "tensor_constant")
+OUTPUT_KINDS = ("user_output", "buffer_mutation", "user_input_mutation")
+
+
+def dotted_name(name: Any) -> bool:
+    """A tensor or module name as torch and Hugging Face write them
+    (`model.layers.0.mlp.down_proj.weight`): parts of letters, digits and
+    underscores, nothing that could close a string in generated code."""
+    return isinstance(name, str) and name.isascii() and DOTTED_NAME.fullmatch(name) is not None
+
+
+def _graph_signature_problems(signature: Any) -> Iterator[str]:
+    where = "graph_module.signature"
+    if not isinstance(signature, dict):
+        yield f"{where}: not an object"
+        return
+    for key, kinds in (("input_specs", INPUT_KINDS), ("output_specs", OUTPUT_KINDS)):
+        specs = signature.get(key)
+        if not isinstance(specs, list):
+            yield f"{where}.{key}: not a list"
+            continue
+        for i, spec in enumerate(specs):
+            kind = next(iter(spec), None) if isinstance(spec, dict) and len(spec) == 1 else None
+            if kind not in kinds or not isinstance(spec[kind], dict):
+                yield f"{where}.{key}[{i}]: expected one of {', '.join(kinds)}, found {spec!r:.120}"
+                continue
+            for field, value in spec[kind].items():
+                if field.endswith("_name") and not dotted_name(value):
+                    yield f"{where}.{key}[{i}].{kind}.{field}: {value!r:.120} is not a dotted name"
 
 
 def _signature_problems(calls: Any) -> list[str]:

@@ -43,6 +43,22 @@ def zeros_allocator(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     return torch.empty(shape, dtype=dtype, device=device)  # allocate() zeroes what any allocator returns
 
 
+def available_bytes(device: torch.device) -> float:
+    """Memory a new pool may take: the kernel's MemAvailable for the CPU
+    (a pool is zeroed as it is made, so an over-committed one would be
+    killed, not refused); unbounded elsewhere (CUDA raises its own error)."""
+    if device.type != "cpu":
+        return float("inf")
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
 def allocate(allocator: Allocator, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A zeroed tensor from the user's allocator. Pools start zeroed (the
     scratch cell is read on every call: uninitialised memory there, NaN
@@ -120,6 +136,16 @@ class CellCache:
     # ---------------------------------------------------------------- pools
     def _grow(self, needed: int) -> None:
         new_capacity = min(self.max_cells, max(needed, 2 * self.capacity))
+        free = available_bytes(self.device)
+        if self.pool_bytes(new_capacity) > free:
+            new_capacity = needed  # no doubling where the memory is not there
+            if self.pool_bytes(needed) > free:
+                g = self.geometry
+                raise CapacityError(
+                    f"a KV cell pool of {needed} cells needs {self.pool_bytes(needed) / 2**30:.1f} GiB "
+                    f"({g.n_layers} layers of {max(g.kv_heads)} heads x {max(g.head_dims)} values, {self.dtype}), "
+                    f"more than the {free / 2**30:.1f} GiB available: fewer cells (--max-cells) or a smaller package"
+                )
         new_pools = []
         for layer in range(self.geometry.n_layers):
             shape = (new_capacity, self.geometry.kv_heads[layer], self.geometry.head_dims[layer])
@@ -129,6 +155,12 @@ class CellCache:
                     pool[: self.capacity].copy_(self.pools[2 * layer + kind])
                 new_pools.append(pool)
         self.pools, self.capacity = new_pools, new_capacity
+
+    def pool_bytes(self, cells: int) -> int:
+        """Bytes of every pool at `cells` cells."""
+        g = self.geometry
+        values = sum(2 * h * d for h, d in zip(g.kv_heads, g.head_dims))
+        return cells * values * self.dtype.itemsize
 
     def views(self, n_cells: int) -> list[torch.Tensor]:
         """Views of the first n_cells cells of every pool, in input order."""

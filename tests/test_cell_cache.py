@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
+from kvexport.contract.errors import CapacityError
 from kvexport.contract.manifest import CacheGeometry
 from kvexport.runtime.cell_cache import SCRATCH_CELL, CellCache
 
@@ -92,3 +94,18 @@ def test_a_session_decoding_beside_an_idle_one_moves_cells_once_every_slack_step
         own = cache.next_pos[busy]
         assert cache.read_len({busy}) <= 1 + own + 16 + own // 16
     assert 1 <= moves <= 96 // 16
+
+
+def test_a_pool_larger_than_the_memory_is_refused_before_it_is_allocated():
+    """A package may declare 1024 layers of 1024 heads of 4096 values, each
+    within its bound: 256 cells of that are 8 TiB. The pool is refused by
+    its size, naming the fix, instead of killing the process as it zeroes."""
+    huge = CacheGeometry((1024,) * 1024, (4096,) * 1024, (0,) * 1024)
+    with pytest.raises(CapacityError, match=r"256 cells needs 8192.0 GiB .*--max-cells"):
+        CellCache(huge, max_cells=1 << 20, dtype=torch.float32, max_context_len=4096)
+    # where the memory is there, a pool that would double past it grows to what is needed
+    cache = CellCache(CacheGeometry((1,), (64,), (0,)), max_cells=1 << 20, dtype=torch.float32, max_context_len=4096,
+                      initial_cells=4)
+    assert cache.capacity == 4
+    cache.views(6)
+    assert cache.capacity == 8

@@ -556,3 +556,43 @@ def test_text_torch_turns_into_python_is_refused(tmp_path, tiny_package, monkeyp
         rt.package.method("sample_argmax")
         generate(rt, [[1, 2, 3]], max_new_tokens=2)
     assert not canary.exists()
+
+
+@pytest.mark.parametrize("where", ["parameter_name", "module fqn"])
+def test_a_tensor_name_that_closes_a_string_in_generated_code_is_refused(tmp_path, tiny_package, monkeypatch, where):
+    """Found in review: torch 2.13 writes a parameter's name into a
+    `getattr(self, "...")` line of the rebuilt module's source, so a name
+    holding a quote ran the code after it on the first call (the manifest's
+    binding and an alias renamed to match, checksums fixed up)."""
+    canary = tmp_path / CANARY
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / f"{CANARY_MODULE}.py").write_text(f"open({str(canary)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(modules))
+    monkeypatch.delitem(sys.modules, CANARY_MODULE, raising=False)
+    payload = f'x", __import__("{CANARY_MODULE}"))  #'
+    pkg = tmp_path / "pkg"
+    shutil.copytree(tiny_package("tiny-llama"), pkg)
+    manifest = json.loads((pkg / "manifest.json").read_text())
+    victim = "final_norm.weight"
+    for method, entry in manifest["methods"].items():
+        if victim not in entry["weights"]["parameters"]:
+            continue
+        path = pkg / entry["program"]
+        program = json.loads(gzip.decompress(path.read_bytes()))
+        if where == "parameter_name":
+            specs = program["graph_module"]["signature"]["input_specs"]
+            next(s for s in specs if s.get("parameter", {}).get("parameter_name") == victim)["parameter"]["parameter_name"] = payload
+            entry["weights"]["parameters"] = [payload if n == victim else n for n in entry["weights"]["parameters"]]
+        else:
+            program["graph_module"]["module_call_graph"][-1]["fqn"] = payload
+        path.write_bytes(gzip.compress(dumps(program)))
+    if where == "parameter_name":
+        manifest["weights"]["aliases"][payload] = victim
+    (pkg / "manifest.json").write_bytes(dumps(manifest))
+    fix_checksums(pkg)
+    report = validate_package(pkg)
+    assert any("dotted name" in v for v in report.violations), report.violations
+    with pytest.raises(KvexportError, match="dotted name"):
+        generate(load(pkg), [[1, 2, 3]], max_new_tokens=2)
+    assert not canary.exists()

@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -115,6 +116,29 @@ def test_expression_injection_never_runs(tmp_path, tiny_package):
 def test_the_expression_grammar_refuses(text):
     with pytest.raises(UnsafeProgram):
         parse_sym_expr(text)
+
+
+def test_expressions_sympy_would_spend_seconds_on_are_refused_before_it_sees_them(tmp_path, tiny_package):
+    """Found in review: sympy compares Min and Max arguments pairwise; 280
+    symbols in one Max took 25 s to build (40, which fit the 4096 characters
+    an expression may have, about 2 s), and a program may hold many."""
+    wide = "Max(" + ", ".join(f"Symbol('s{i}', positive=True, integer=True)" for i in range(40)) + ")"
+    t0 = time.perf_counter()
+    with pytest.raises(UnsafeProgram, match="40 symbols and integers"):
+        parse_sym_expr(wide)
+    nested = "Max(" + ", ".join(f"Min(Symbol('s{i}'), Symbol('t{i}'))" for i in range(7)) + ")"
+    with pytest.raises(UnsafeProgram, match="14 symbols"):
+        parse_sym_expr(nested)
+    assert time.perf_counter() - t0 < 1
+    pkg = copy(tmp_path, tiny_package)
+
+    def many(program):
+        for i, item in enumerate(expr_strs(program)):
+            item["expr_str"] = f"Add(Symbol('s{i}', positive=True, integer=True), Integer(1))"
+
+    edit_program(pkg, "forward_others", many)
+    report = validate_package(pkg)
+    assert any("distinct symbolic expressions (at most" in v for v in report.violations), report.violations
 
 
 def test_the_expression_grammar_builds_what_torch_writes():
