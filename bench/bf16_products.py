@@ -1,7 +1,9 @@
 """bf16 products over many rows (a prefill slice's) and a few (a decode
 step's): torch's own bf16 GEMM against kvexport's row kernel
-(kernels/rows_linear.cpp), with torch's fp32 GEMM beside them, on SmolLM2's
-linear shapes, in GFLOPS (median of interleaved runs).
+(kernels/rows_linear.cpp) and its shim as compiled code calls it (from 128
+rows, the operands widened for torch's fp32 GEMM: shims.cpp), with torch's
+fp32 GEMM beside them, on SmolLM2's linear shapes, in GFLOPS (best of three
+interleaved medians).
 
 On a CPU without AVX-512, torch has no fast bf16 GEMM (oneDNN's needs
 AVX-512; ATen's own generic one serves), and an aoti bf16 package's prefill
@@ -45,6 +47,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.manual_seed(0)
+    shims = build.Shims()  # as compiled code calls it: the BLAS in fp32 from 128 rows (shims.cpp)
     result = {"cpu": cpu_model(), "env": {k: os.environ.get(k) for k in
                                          ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")},
               "fast_bf16_gemm": build.fast_bf16_gemm(), "gflops": {}}
@@ -56,6 +59,7 @@ def main() -> None:
             out = torch.empty(rows, n)
             forms = {"torch bf16": lambda: torch.mm(x, weight.t()),
                      "row kernel bf16": lambda: build.rows_linear(x, weight, out),
+                     "shim bf16": lambda: shims.call("rows_linear", x, weight),
                      "torch fp32": lambda: torch.mm(x.float(), wide.t())}
             rates = {form: [] for form in forms}
             for _ in range(3):  # interleaved: a VM's speed drifts

@@ -80,6 +80,21 @@ def test_rows_linear_reads_bf16(isa, shims, rows, out_features, width, row_strid
     assert torch.equal(got, build.rows_linear(x, weight, isa=isa).bfloat16())
 
 
+@pytest.mark.parametrize("rows,out_features,width,row_stride", [(128, 300, 1000, 0), (131, 17, 70, 90), (200, 600, 9, 0)])
+def test_the_bf16_shim_takes_a_prefill_slices_rows_to_the_blas(isa, shims, rows, out_features, width, row_stride):
+    """Over 128 rows or more the shim widens bf16 operands (the weight a
+    panel at a time: 300 rows of width 1000 are two panels) for torch's fp32
+    GEMM, each panel's product into its columns: the sums are fp32 sums of
+    the exact products, rounded to bf16."""
+    x, weight = rows_operands(rows, out_features, width, row_stride)
+    x, weight = x.bfloat16(), weight.bfloat16()
+    got = shims.call("rows_linear", x, weight)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    want = x.double() @ weight.double().T
+    bound = 1e-6 * (x.double().abs() @ weight.double().abs().T) + 1e-6
+    assert ((got.double() - want).abs() <= bound + want.abs() * 2 ** -8).all()  # bf16's rounding of the sums
+
+
 @pytest.mark.parametrize("rows,row_stride", [(12, 100), (40, 0)])
 def test_bf16_rows_over_several_passes_give_each_rows_own_sums(isa, rows, row_stride):
     """Over more rows than a pass takes (a prefill slice's, where torch's bf16

@@ -7,6 +7,8 @@
 // (rows_linear.cpp, masked_attention.cpp, packed_linear.cpp, int8_linear.cpp). Built only into
 // the static archive AOTInductor links.
 
+#include <algorithm>
+#include <memory>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -332,6 +334,56 @@ const char* attention_problem(const Operand* o) {
 }
 
 // ---------------------------------------------------------------- rows linear
+// Over a prefill slice's rows a bf16 product runs on torch's fp32 GEMM (the
+// BLAS's blocked products), its operands widened: the rows once, the weight a
+// panel at a time, small enough to stay in L2 between its widening and its
+// product. The row kernel reads the weight once, as a few rows want; over
+// many rows the BLAS's fp32 products run faster. Compiled code calls this shim
+// over such rows only where torch has no fast bf16 GEMM of its own (an AVX2
+// CPU: kernels/build.py, fast_bf16_gemm). bench/bf16_products.py, SmolLM2's
+// linears over 512 rows on an AMD EPYC (AVX2, no AVX-512): this shim 99-128
+// GFLOPS, the row kernel 88-95, torch's fp32 GEMM 127-167, its bf16 GEMM 19-21.
+constexpr int64_t BLAS_MIN_ROWS = 128;
+constexpr int64_t PANEL_VALUES = 1 << 18;  // fp32 values of a widened weight panel (1 MB)
+
+void widen(const uint16_t* from, int64_t rows, int64_t width, int64_t stride, float* to) {
+#pragma omp parallel for
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t k = 0; k < width; k++) to[r * width + k] = from_bf16(from[r * stride + k]);
+}
+
+// fp32 data as a [rows, cols] tensor with these strides (torch's view of memory the shim owns)
+AOTITorchError view(float* data, int64_t rows, int64_t cols, int64_t row_stride, int64_t col_stride,
+                    AtenTensorHandle* out) {
+  const int64_t size[2] = {rows, cols}, stride[2] = {row_stride, col_stride};
+  return aoti_torch_create_tensor_from_blob(data, 2, size, stride, 0, aoti_torch_dtype_float32(),
+                                            aoti_torch_device_type_cpu(), 0, out);
+}
+
+// result [M, N] = x [M, K] (rows ldx apart) times w [N, K] transposed, both
+// bf16, on torch's fp32 GEMM: each panel's product into its columns of result
+AOTITorchError bf16_on_blas(const uint16_t* x, int64_t ldx, const uint16_t* w, float* result, int64_t M, int64_t N,
+                            int64_t K) {
+  const int64_t P = std::min(N, std::max<int64_t>(16, PANEL_VALUES / K));
+  std::unique_ptr<float[]> rows(new float[M * K]), panel(new float[P * K]);  // widened into: not zeroed first
+  widen(x, M, K, ldx, rows.get());
+  AtenTensorHandle a;
+  if (view(rows.get(), M, K, K, 1, &a)) return AOTI_TORCH_FAILURE;
+  AOTITorchError error = AOTI_TORCH_SUCCESS;
+  for (int64_t n0 = 0; n0 < N && error == AOTI_TORCH_SUCCESS; n0 += P) {
+    const int64_t p = std::min(P, N - n0);
+    widen(w + n0 * K, p, K, K, panel.get());
+    AtenTensorHandle b = nullptr, c = nullptr;
+    error = view(panel.get(), K, p, 1, K, &b);  // the panel transposed: [K, p]
+    if (error == AOTI_TORCH_SUCCESS) error = view(result + n0, M, p, N, 1, &c);
+    if (error == AOTI_TORCH_SUCCESS) error = aoti_torch_cpu_mm_out(c, a, b);
+    if (b) aoti_torch_delete_tensor_object(b);
+    if (c) aoti_torch_delete_tensor_object(c);
+  }
+  aoti_torch_delete_tensor_object(a);
+  return error;
+}
+
 // why rows_linear cannot take these operands, or nullptr
 const char* rows_problem(const Operand& x, const Operand& w) {
   if (x.dims != 2 || w.dims != 2) return "x and weight must be 2-d";
@@ -452,10 +504,17 @@ extern "C" AOTITorchError aoti_torch_cpu_rows_linear(AtenTensorHandle x, AtenTen
     kvexport_rows_linear((const float*)a.data, M > 1 ? a.strides[0] : K, (const float*)w.data, (float*)out_data, M, N,
                          K);
   } else if (M > 0 && N > 0) {  // bf16: rows and weight read as bf16, summed in fp32, the result rounded
-    std::vector<float> result(M * N);
-    kvexport_rows_linear_bf16((const uint16_t*)a.data, M > 1 ? a.strides[0] : K, (const uint16_t*)w.data,
-                              result.data(), M, N, K);
-    for (int64_t i = 0; i < M * N; i++) ((uint16_t*)out_data)[i] = to_bf16(result[i]);
+    std::unique_ptr<float[]> result(new float[M * N]);  // every value written below: not zeroed first
+    const int64_t ldx = M > 1 ? a.strides[0] : K;
+    if (M < BLAS_MIN_ROWS) {
+      kvexport_rows_linear_bf16((const uint16_t*)a.data, ldx, (const uint16_t*)w.data, result.get(), M, N, K);
+    } else if (bf16_on_blas((const uint16_t*)a.data, ldx, (const uint16_t*)w.data, result.get(), M, N, K)) {
+      aoti_torch_delete_tensor_object(out);
+      return refuse("rows_linear", "torch's fp32 product failed");
+    }
+    uint16_t* rounded = (uint16_t*)out_data;
+#pragma omp parallel for if (M * N >= (1 << 16))
+    for (int64_t i = 0; i < M * N; i++) rounded[i] = to_bf16(result[i]);
   }
   *ret0 = out;
   return AOTI_TORCH_SUCCESS;
