@@ -156,6 +156,8 @@ def broken_copy(tmp_path, source, edit):
         (lambda m: m["metadata"].update(get_vocab_size=1000), "logits"),
         (lambda m: m["metadata"].update(get_offgraph_kv_max_cells=24), "metadata.get_offgraph_kv_max_cells"),
         (lambda m: m["metadata"].update(get_windows=[0, -1]), "metadata.get_windows"),
+        (lambda m: m["metadata"].update(get_n_caches=3, get_kv_heads=[1024] * 3, get_head_dims=[4096] * 3, get_windows=[0] * 3),
+         "metadata: a cell of 25165824 values"),
         (lambda m: m["methods"].pop("forward_4"), "metadata.forward_sizes"),
         (lambda m: m["methods"].update(forward_0=m["methods"]["forward_1"]), "methods.forward_0"),
         (lambda m: m.pop("metadata"), "metadata: missing"),
