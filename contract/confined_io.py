@@ -140,6 +140,50 @@ def map_fd(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
+def others_can_write(st: os.stat_result) -> str | None:
+    """Who besides this user could write the file in place, or None: its
+    group or everyone (mode bits), or an owner who is neither this user nor
+    root (an owner can always give itself write access)."""
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"mode {stat.S_IMODE(st.st_mode):04o}"
+    if st.st_uid not in (os.getuid(), 0):
+        return f"owner uid {st.st_uid}"
+    return None
+
+
+def read_private(fd: int, size: int) -> mmap.mmap:
+    """The descriptor's bytes copied into anonymous memory, which no write
+    to the file can change afterwards (a private file mapping shows the
+    file's later writes in every page not yet copied)."""
+    memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    view = memoryview(memory)
+    try:
+        done = 0
+        while done < size:
+            got = os.preadv(fd, [view[done : done + (64 << 20)]], done)
+            if got == 0:
+                raise OSError(errno.EIO, "the file shrank while it was read")
+            done += got
+    except BaseException:
+        view.release()
+        memory.close()
+        raise
+    view.release()
+    return memory
+
+
+def available_memory() -> int | None:
+    """The kernel's MemAvailable in bytes, or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def sha256_buffer(buffer) -> str:
     """A buffer's sha256 in 16 MB slices (hashlib releases the GIL for each)."""
     digest = hashlib.sha256()

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from kvexport.contract.confined_io import (  # noqa: F401  (sha256_file, confined_problem: others import them from here)
-    MAX_PROGRAM_BYTES, confined_problem, inflate_program, map_fd, open_inside, open_problem, read_fd, resolves_inside,
+    MAX_PROGRAM_BYTES, available_memory, confined_problem, inflate_program, map_fd, open_inside, open_problem,
+    others_can_write, read_fd, read_private, resolves_inside,
     sha256_buffer, sha256_fd, sha256_file,
 )
 from kvexport.contract.errors import ExportError, PackageError
@@ -474,13 +475,28 @@ class PackageReader:
 
     def map_file(self, rel: str, what: str, verify: bool = True) -> mmap.mmap:
         """A private mapping of `rel`, hashed from the mapping itself (not
-        from the path) when `verify`."""
+        from the path) when `verify`. A file that someone else could write
+        in place (after its hash, into pages not yet read) is copied into
+        anonymous memory instead, where it fits."""
         fd = self.open_file(rel, what)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
             if size == 0:
                 raise PackageError(f"{self.path}: {what}: {rel} is empty")
-            mapping = map_fd(fd, size)
+            writer = others_can_write(st)
+            if writer is None:
+                mapping = map_fd(fd, size)
+            else:
+                free = available_memory()
+                if free is not None and size > free:
+                    raise PackageError(
+                        f"{self.path}: {what}: {rel} can be written by others ({writer}), who could change it after its "
+                        f"checksum is taken, and its {size / 2**30:.1f} GiB do not fit in the {free / 2**30:.1f} GiB "
+                        f"of memory available to copy it: make it writable by you alone (chmod go-w), or copy the package"
+                    )
+                log.info("%s: %s can be written by others (%s): reading it into private memory", self.path, rel, writer)
+                mapping = read_private(fd, size)
         except OSError as e:
             raise PackageError(f"{self.path}: {what}: cannot map {rel} ({e.strerror or e})") from None
         finally:

@@ -24,6 +24,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
+from kvexport.contract.confined_io import available_memory
 from kvexport.contract.errors import CapacityError, RuntimeRefusal
 from kvexport.contract.manifest import CacheGeometry
 
@@ -47,16 +48,8 @@ def available_bytes(device: torch.device) -> float:
     """Memory a new pool may take: the kernel's MemAvailable for the CPU
     (a pool is zeroed as it is made, so an over-committed one would be
     killed, not refused); unbounded elsewhere (CUDA raises its own error)."""
-    if device.type != "cpu":
-        return float("inf")
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float("inf")
+    free = available_memory() if device.type == "cpu" else None
+    return float("inf") if free is None else free
 
 
 def allocate(allocator: Allocator, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

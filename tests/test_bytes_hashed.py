@@ -124,6 +124,31 @@ def test_weights_are_views_of_one_private_mapping(tmp_path, tiny_package):
     assert (pkg / "weights.safetensors").read_bytes() == before
 
 
+@pytest.mark.parametrize("mode", [0o644, 0o664])
+def test_weights_others_can_write_are_copied_while_hashed(tmp_path, tiny_package, mode):
+    """A private mapping shows the file's later writes in every page not yet
+    read, so whoever else can write the weights file could change weights
+    after their hash. Such a file (group- or world-writable, or owned by
+    another user) is read into anonymous memory instead: writing the file
+    in place after `load` changes nothing then; a file only this user can
+    write stays a zero-copy mapping."""
+    pkg = copy_of(tmp_path, tiny_package("tiny-llama"))
+    weights = pkg / "weights.safetensors"
+    weights.chmod(mode)
+    runtime = load(pkg)
+    before = {k: t.clone() for k, t in runtime.package.tensors.items()}
+    original = weights.read_bytes()
+    header = 8 + int.from_bytes(original[:8], "little")
+    with open(weights, "r+b") as f:  # in place: the same inode, the same pages
+        f.seek(header)
+        f.write(bytes(len(original) - header))
+    changed = [k for k, t in runtime.package.tensors.items() if not torch.equal(t, before[k])]
+    if mode == 0o664:
+        assert changed == []
+    else:
+        assert changed, "a mapping of a file only this user writes is zero-copy: it sees the write"
+
+
 def test_mapped_weights_are_what_safetensors_reads_for_every_dtype(tmp_path):
     from safetensors.torch import load_file, save_file
 
