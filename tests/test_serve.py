@@ -96,11 +96,11 @@ class Server:
         except OSError:
             return 0, {}, b""
 
-    def post(self, path: str, body, key: str | None = KEY, raw: bool = False):
+    def post(self, path: str, body, key: str | None = KEY, raw: bool = False, timeout: float = 60):
         headers = {"Content-Type": "application/json"}
         if key:
             headers["Authorization"] = f"Bearer {key}"
-        return self.request("POST", path, body if raw else json.dumps(body).encode(), headers)
+        return self.request("POST", path, body if raw else json.dumps(body).encode(), headers, timeout)
 
     def metric(self, name: str) -> float:
         _, _, text = self.get("/metrics")
@@ -108,8 +108,8 @@ class Server:
         assert match, f"{name} not in /metrics"
         return float(match.group(1))
 
-    def client(self, key: str = KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+    def client(self, key: str = KEY, timeout: float = 60) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=timeout)
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 60) -> int:
         if self.process.poll() is None:
@@ -306,14 +306,16 @@ def test_a_client_that_leaves_frees_its_cells(small_server, where):
 
 def test_a_full_queue_answers_429_with_retry_after(small_server):
     """Eight long requests at once on a server of two sessions and a queue of
-    one: those past the queue get 429 (raw and through the client alike)."""
-    client = small_server.client()
+    one: those past the queue get 429 (raw and through the client alike).
+    The three let in decode 1000 tokens each, one after another for the
+    queued one: on a machine shared with other work that took over 60 s."""
+    client = small_server.client(timeout=300)
     long = {"prompt": prompt_of(4, seed=2), "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
     start = threading.Barrier(8)
 
     def raw():
         start.wait()
-        return small_server.post("/v1/completions", long, key=None)
+        return small_server.post("/v1/completions", long, key=None, timeout=300)
 
     def through_the_client():
         start.wait()
