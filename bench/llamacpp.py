@@ -133,6 +133,11 @@ def f32_gguf(binaries: Path, root: Path, model: str) -> Path:
         run([str(binaries / "llama-quantize"), "--allow-requantize", str(_smollm2_gguf()),
              str(out), "F32"], capture=False)
     else:  # needs convert_hf_to_gguf.py's own requirements (sentencepiece, numpy)
+        import importlib.util
+
+        if importlib.util.find_spec("sentencepiece") is None:
+            raise SystemExit("llama.cpp's convert_hf_to_gguf.py needs sentencepiece for this model: "
+                             f"{sys.executable} -m pip install -e '.[bench]' (kvexport's bench extra)")
         tree = root / "llama.cpp"
         hf_dir = Path(model) if Path(model).is_dir() else root / f"{model}-hf"
         if not (hf_dir / "config.json").exists():
