@@ -507,6 +507,18 @@ def test_mutated_packages_are_refused_cleanly(tmp_path, sources, monkeypatch):
 
 
 # ------------------------------------------------------ what it found
+@pytest.fixture
+def canary(tmp_path, monkeypatch) -> Path:
+    """A file that importing CANARY_MODULE (importable for this test) creates."""
+    path = tmp_path / CANARY
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    (modules / f"{CANARY_MODULE}.py").write_text(f"open({str(path)!r}, 'w').close()\n")
+    monkeypatch.syspath_prepend(str(modules))
+    monkeypatch.delitem(sys.modules, CANARY_MODULE, raising=False)
+    return path
+
+
 def _edit_sample_argmax(pkg: Path, edit) -> None:
     path = pkg / "programs" / "sample_argmax.json.gz"
     path.write_bytes(gzip.compress(dumps(edit(json.loads(gzip.decompress(path.read_bytes()))))))
@@ -522,18 +534,12 @@ def _in_spec(args_context: str, kwargs: list[str]) -> str:
 
 
 @pytest.mark.parametrize("vector", ["input name", "spec keys", "spec context"])
-def test_text_torch_turns_into_python_is_refused(tmp_path, tiny_package, monkeypatch, vector):
+def test_text_torch_turns_into_python_is_refused(tmp_path, tiny_package, canary, vector):
     """Found by the fuzzer: torch 2.13 writes a graph input's name into the
     rebuilt module's `def forward(...)`, a spec's dict keys into a dict
     literal in its body, and decodes a spec's context with a hook that
     imports the module an `__enum__` object names. Each of these created
     the canary (on load, on the first call, and on load) and validated ok."""
-    canary = tmp_path / CANARY
-    modules = tmp_path / "modules"
-    modules.mkdir()
-    (modules / f"{CANARY_MODULE}.py").write_text(f"open({str(canary)!r}, 'w').close()\n")
-    monkeypatch.syspath_prepend(str(modules))
-    monkeypatch.delitem(sys.modules, CANARY_MODULE, raising=False)
     touch = f"__import__('os').system('touch {canary}')"
     pkg = tmp_path / "pkg"
     shutil.copytree(tiny_package("tiny-llama"), pkg)
@@ -559,17 +565,11 @@ def test_text_torch_turns_into_python_is_refused(tmp_path, tiny_package, monkeyp
 
 
 @pytest.mark.parametrize("where", ["parameter_name", "module fqn"])
-def test_a_tensor_name_that_closes_a_string_in_generated_code_is_refused(tmp_path, tiny_package, monkeypatch, where):
+def test_a_tensor_name_that_closes_a_string_in_generated_code_is_refused(tmp_path, tiny_package, canary, where):
     """Found in review: torch 2.13 writes a parameter's name into a
     `getattr(self, "...")` line of the rebuilt module's source, so a name
     holding a quote ran the code after it on the first call (the manifest's
     binding and an alias renamed to match, checksums fixed up)."""
-    canary = tmp_path / CANARY
-    modules = tmp_path / "modules"
-    modules.mkdir()
-    (modules / f"{CANARY_MODULE}.py").write_text(f"open({str(canary)!r}, 'w').close()\n")
-    monkeypatch.syspath_prepend(str(modules))
-    monkeypatch.delitem(sys.modules, CANARY_MODULE, raising=False)
     payload = f'x", __import__("{CANARY_MODULE}"))  #'
     pkg = tmp_path / "pkg"
     shutil.copytree(tiny_package("tiny-llama"), pkg)
