@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from common import emit
+from kvexport.contract.confined_io import available_memory
 
 CHILD = r"""
 import json, resource, sys, torch
@@ -56,10 +57,10 @@ sys.stdin.read()  # hold until the parent has measured
 
 
 def mem_available_mb() -> int:
-    for line in open("/proc/meminfo"):
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) // 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
+    available = available_memory()
+    if available is None:
+        raise RuntimeError("no MemAvailable in /proc/meminfo")
+    return available // 2**20
 
 
 def shared_processes(package: Path, count: int) -> dict:

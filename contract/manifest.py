@@ -56,6 +56,11 @@ class CacheGeometry:
     def distinct_windows(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.windows)))
 
+    @property
+    def cell_values(self) -> int:
+        """Values one cell holds over every layer's k and v pools."""
+        return sum(2 * h * d for h, d in zip(self.kv_heads, self.head_dims))
+
 
 
 

@@ -167,7 +167,8 @@ def check_offgraph_metadata(metadata: dict) -> list[str]:
     for key in ("get_kv_heads", "get_head_dims", "get_windows"):
         if len(metadata[key]) != n:
             problems.append(f"metadata.{key}: has {len(metadata[key])} entries, get_n_caches is {n}")
-    if not problems and (values := sum(2 * h * d for h, d in zip(metadata["get_kv_heads"], metadata["get_head_dims"]))) > MAX_CELL_VALUES:
+    geometry = CacheGeometry(tuple(metadata["get_kv_heads"]), tuple(metadata["get_head_dims"]), tuple(metadata["get_windows"]))
+    if not problems and (values := geometry.cell_values) > MAX_CELL_VALUES:
         problems.append(
             f"metadata: a cell of {values} values (2 x kv heads x head dim over {n} layers) is more than the "
             f"{MAX_CELL_VALUES} a model needs"

@@ -151,9 +151,7 @@ class CellCache:
 
     def pool_bytes(self, cells: int) -> int:
         """Bytes of every pool at `cells` cells."""
-        g = self.geometry
-        values = sum(2 * h * d for h, d in zip(g.kv_heads, g.head_dims))
-        return cells * values * self.dtype.itemsize
+        return cells * self.geometry.cell_values * self.dtype.itemsize
 
     def views(self, n_cells: int) -> list[torch.Tensor]:
         """Views of the first n_cells cells of every pool, in input order."""
