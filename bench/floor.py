@@ -10,6 +10,8 @@ product comes to them, in one run:
   weight-stationary layout the CPU backends use), against kvexport's row
   kernel (partitioners/aoti/kernels/rows_linear.cpp, what aoti packages run on x86);
 - the row kernel's own rate at 1 to 16 rows on a weight in cache (GFLOP/s);
+- the rate at which its bf16 products (bf16 rows by a bf16 weight, as
+  compiled code calls them) read 96 such weights in bf16 (GB/s);
 - with `--package` (an fp32 one), the floors of its decode step: weight bytes
   at the best read rate (batch 1) and 2 x parameters x 8 FLOP at the BLAS's
   and at the row kernel's 8-row rate (8 sessions).
@@ -98,6 +100,20 @@ def weight_read_rates(layers: int = 48, shape: tuple[int, int] = (1536, 576)) ->
     return rates
 
 
+def bf16_read_rates(layers: int = 96, shape: tuple[int, int] = (1536, 576)) -> dict[int, float]:
+    """GB/s of the row kernel's bf16 products (what compiled code calls)
+    over `layers` distinct bf16 weights, the same 170 MB as above."""
+    weights = [torch.randn(shape).bfloat16() for _ in range(layers)]
+    rates = {}
+    for rows in (1, 2, 4, 8, 16):
+        x = torch.randn(rows, shape[1]).bfloat16()
+        expected = [F.linear(x.float(), w.float()) for w in weights[:4]]
+        torch.testing.assert_close(_row_kernel(x, weights[:4]), expected, rtol=1e-4, atol=1e-4)
+        seconds = best_of(lambda: _row_kernel(x, weights), 5)
+        rates[rows] = round(layers * weights[0].numel() * 2 / seconds / 1e9, 1)
+    return rates
+
+
 def package_floors(package: Path, read_gbps: float, gemm_8_rows: float, kernel_8_rows: float) -> dict[str, float]:
     from safetensors import safe_open
 
@@ -137,6 +153,7 @@ def main() -> None:
         "blas_gemm_gflops_by_rows": gemm,
         "row_kernel_gflops_by_rows": kernel,
         "weight_read_gbps_by_rows": weight_read_rates(),
+        "row_kernel_bf16_read_gbps_by_rows": bf16_read_rates(),
     }
     if args.package:
         result["package"] = package_floors(args.package, read["best_gbps"], gemm[8], kernel[8])

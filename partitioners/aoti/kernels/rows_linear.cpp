@@ -47,10 +47,9 @@ constexpr int64_t BAND = 64;           // weight rows a thread takes at a time
 constexpr int WIDE_FROM = 4;
 // Rows a tile takes at most: 8, whose weight row is then loaded once for 8
 // FMAs. With 16 registers that leaves one weight row a tile (8 accumulators,
-// the x rows read from L1 as operands) where 4 rows took two: over 8 rows of
-// 48 distinct 1536 x 576 weights from memory, 24-25 against 19 GB/s on an
-// AVX2 AMD EPYC (a scratch A/B, both forms in one binary, alternating), and
-// 14.5 against 11.3 over 16 rows; the same over 1-4 rows.
+// the x rows read from L1 as operands) where 4 rows took two and read the
+// band twice: an fp32 SmolLM2 package decoded 8 sessions 1.17 x faster on an
+// AVX2 AMD EPYC (README, "Tiles of 8 rows on AVX2"), one session as fast.
 constexpr int MR_MAX = 8;
 
 // weight rows per tile: as many as leave registers for the loads
@@ -218,10 +217,8 @@ void kvexport_rows_linear(const float* x, int64_t ldx, const float* w, float* ou
 
 // the same with x and w in bf16 (their raw 16-bit values). x is widened to
 // fp32 once, so a tile loads its rows as they are and only the weight takes a
-// shift: over 8 rows of 96 distinct 1536 x 576 bf16 weights from memory, 15
-// against 11 GB/s on an AVX2 AMD EPYC (the scratch A/B of MR_MAX), the same
-// over 1-4 rows. The products and their fp32 sums are those of x widened in
-// the tile.
+// shift (one widening for 8 FMAs, where a 4 x 2 tile widened 6 for 8). The products and
+// their fp32 sums are those of x widened in the tile.
 void kvexport_rows_linear_bf16_shift(const uint16_t* x, int64_t ldx, const uint16_t* w, float* out, int64_t M, int64_t N,
                                      int64_t K) {
   std::vector<float> wide((size_t)(M * K));
