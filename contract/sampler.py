@@ -100,10 +100,10 @@ def draw(p: torch.Tensor, coin: float) -> int:
 def check_sampled(method: str, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """A package's sampler is untrusted: an id it returns past the vocabulary
     would be emitted, decoded and fed back as the next step's token."""
-    bad = tokens[(tokens < 0) | (tokens >= vocab_size)]
-    if bad.numel():
+    bad = [t for t in tokens.tolist() if not 0 <= t < vocab_size]  # a few ids: one copy, not four tensor operations
+    if bad:
         raise PackageError(
-            f"methods.{method}: returned token id {int(bad[0])}, outside the vocabulary 0..{vocab_size - 1}: the package's "
+            f"methods.{method}: returned token id {bad[0]}, outside the vocabulary 0..{vocab_size - 1}: the package's "
             "sampler is damaged. Re-export the package, or sample on the host (--host-sampler)"
         )
     return tokens

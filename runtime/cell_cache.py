@@ -14,7 +14,10 @@ The pools grow on demand (doubling, up to max_cells), so memory follows the
 cells in use; every method always receives views of the same storage.
 Bookkeeping reads only the cells below `high`, past which no cell is owned:
 max_cells is often 65536, and scanning all of it cost a decode step about
-0.2 ms (bench/step_parts.py's host time).
+0.2 ms (bench/step_parts.py's host time). The per-step bookkeeping (check,
+place, make_room, read_len, masks) works on numpy views of the owner and
+position tensors: on a few hundred cells each of torch's operations costs
+several times numpy's, and a decode step takes dozens.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterable, Iterator
 
+import numpy as np
 import torch
 
 from kvexport.contract.confined_io import available_memory
@@ -120,6 +124,7 @@ class CellCache:
         self.allocator = allocator
         self.owners = torch.zeros(max_cells, dtype=torch.int64)  # bit s set: sequence s owns the cell
         self.positions = torch.zeros(max_cells, dtype=torch.int64)
+        self._owners, self._positions = self.owners.numpy(), self.positions.numpy()  # the same memory
         self.next_pos: dict[int, int] = {}  # live sequence -> its length
         self.high = SCRATCH_CELL + 1  # no cell at or above it is owned
         self.capacity = 0
@@ -235,7 +240,7 @@ class CellCache:
     # ---------------------------------------------------------------- steps
     @property
     def free_cells(self) -> int:
-        return self.max_cells - 1 - int((self.owners[: self.high] != 0).sum())
+        return self.max_cells - 1 - int(np.count_nonzero(self._owners[: self.high]))
 
     def check_step(self, counts: dict[int, int]) -> None:
         """Refuses, changing nothing, a step that adds counts[seq] tokens to
@@ -258,23 +263,22 @@ class CellCache:
         """Declares a step (one sequence id per token, in order): gives each
         token the lowest free cell and the next position of its sequence.
         Returns (cells, positions), int64 [T]. Call check_step first."""
-        free = self.owners[: self.high] == 0
+        free = self._owners[: self.high] == 0
         free[SCRATCH_CELL] = False
-        cells = torch.nonzero(free).squeeze(1)[: len(seqs)]
+        cells = np.flatnonzero(free)[: len(seqs)].astype(np.int64, copy=False)
         if len(cells) < len(seqs):  # the rest from the cells above high, all free
-            cells = torch.cat([cells, torch.arange(self.high, self.high + len(seqs) - len(cells))])
+            cells = np.concatenate([cells, np.arange(self.high, self.high + len(seqs) - len(cells), dtype=np.int64)])
         top = int(cells[-1]) + 1 if len(cells) else 0
         if top > self.max_cells:
             raise AssertionError("place() without check_step()")
         self.high = max(self.high, top)
-        positions = []
-        for seq in seqs:
-            positions.append(self.next_pos[seq])
+        positions = np.empty(len(seqs), dtype=np.int64)
+        for i, seq in enumerate(seqs):
+            positions[i] = self.next_pos[seq]
             self.next_pos[seq] += 1
-        pos = torch.tensor(positions, dtype=torch.int64)
-        self.owners[cells] = torch.tensor([sequence_bit(s) for s in seqs], dtype=torch.int64)
-        self.positions[cells] = pos
-        return cells, pos
+        self._owners[cells] = [sequence_bit(s) for s in seqs]
+        self._positions[cells] = positions
+        return torch.from_numpy(cells), torch.from_numpy(positions)
 
     @contextlib.contextmanager
     def placed(self, seqs: list[int]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -304,26 +308,26 @@ class CellCache:
         # the room, the step's own cells, and as many free cells again as
         # could be evicted or placed all lie below this span
         span = min(self.max_cells, 2 * self.high + 3 * extra)
-        mine = (self.owners[:span] & bits) != 0
-        free = self.owners[:span] == 0
+        owners = self._owners[:span]
+        mine = (owners & bits) != 0
+        free = owners == 0
         free[SCRATCH_CELL] = False
-        needed = int(mine.sum()) + extra  # the step's cells once it is placed
-        mine_idx = torch.nonzero(mine).squeeze(1)
-        free_idx = torch.nonzero(free).squeeze(1)
-        naive = max(int(mine_idx[-1]) if len(mine_idx) else 0, int(free_idx[extra - 1]) if extra else 0)
+        mine_idx = np.flatnonzero(mine)
+        needed = len(mine_idx) + extra  # the step's cells once it is placed
+        naive = max(int(mine_idx[-1]) if len(mine_idx) else 0, int(np.flatnonzero(free)[extra - 1]) if extra else 0)
         if naive - needed <= _slack(needed):
             return 0
         # the evicted cells need homes above the room: at most as many free cells as the span holds beyond the step's
-        headroom = max(0, min(_slack(needed), int(free.sum()) - extra))
-        low = torch.zeros_like(mine)
+        headroom = max(0, min(_slack(needed), int(np.count_nonzero(free)) - extra))
+        low = np.zeros_like(mine)
         low[SCRATCH_CELL + 1 : needed + headroom + 1] = True
-        evict = torch.nonzero(low & ~mine & ~free).squeeze(1)  # others' cells in the room
-        bring = torch.nonzero(~low & mine).squeeze(1)  # the step's cells above it
-        into = torch.nonzero(low & ~mine).squeeze(1)[: len(bring)]  # evicted or free cells in the room
-        away = torch.cat([bring, torch.nonzero(~low & free).squeeze(1)])[: len(evict)]
-        src, dst = torch.cat([evict, bring]), torch.cat([away, into])
+        evict = np.flatnonzero(low & ~mine & ~free)  # others' cells in the room
+        bring = np.flatnonzero(~low & mine)  # the step's cells above it
+        into = np.flatnonzero(low & ~mine)[: len(bring)]  # evicted or free cells in the room
+        away = np.concatenate([bring, np.flatnonzero(~low & free)])[: len(evict)]
+        src, dst = np.concatenate([evict, bring]), np.concatenate([away, into])
         if len(src):
-            self._move(src, dst)
+            self._move(torch.from_numpy(src.astype(np.int64)), torch.from_numpy(dst.astype(np.int64)))
         return len(src)
 
     def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -342,26 +346,29 @@ class CellCache:
     def read_len(self, seqs: set[int] | None = None) -> int:
         """One past the highest cell that one of `seqs` owns (any sequence when
         None); the scratch cell counts, so at least 1."""
-        owners = self.owners[: self.high]
+        owners = self._owners[: self.high]
         owned = owners if seqs is None else owners & sequence_mask(seqs)
-        occupied = torch.nonzero(owned).squeeze(1)
+        occupied = np.flatnonzero(owned)
         return int(occupied[-1]) + 1 if len(occupied) else SCRATCH_CELL + 1
 
-    def masks(self, seq_bits: torch.Tensor, positions: torch.Tensor, n_cells: int) -> list[torch.Tensor]:
+    def masks(self, seq_bits: torch.Tensor | np.ndarray, positions: torch.Tensor | np.ndarray,
+              n_cells: int) -> list[torch.Tensor]:
         """One bool [T, n_cells] mask per distinct window: token i sees cell j
         iff j shares a sequence with i, and j's position is <= i's (and >
         i's - w on a window w). Padding rows (seq_bits 0) see only the scratch
-        cell, so no row is fully masked."""
-        owners = self.owners[:n_cells].unsqueeze(0)  # [1, C]
-        cell_pos = self.positions[:n_cells].unsqueeze(0)  # [1, C]
-        pos = positions.unsqueeze(1)  # [T, 1]
-        base = ((owners & seq_bits.unsqueeze(1)) != 0) & (cell_pos <= pos)
-        padding = seq_bits == 0
+        cell, so no row is fully masked. seq_bits and positions: int64 [T],
+        host tensors or arrays."""
+        seq_bits, positions = np.asarray(seq_bits), np.asarray(positions)
+        owners = self._owners[:n_cells]  # [C]
+        cell_pos = self._positions[:n_cells]
+        pos = positions[:, None]  # [T, 1]
+        base = ((owners & seq_bits[:, None]) != 0) & (cell_pos <= pos)
+        padding = np.flatnonzero(seq_bits == 0)
         masks = []
         for window in self.geometry.distinct_windows:
             mask = base if window == 0 else base & (cell_pos > pos - window)
-            if bool(padding.any()):
-                mask = mask.clone()
+            if len(padding):
+                mask = mask.copy()
                 mask[padding, SCRATCH_CELL] = True
-            masks.append(mask)
+            masks.append(torch.from_numpy(mask))
         return masks

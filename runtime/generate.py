@@ -61,7 +61,7 @@ def generate(
     try:
         sessions = [manager.new_session() for _ in prompts]
         while active:
-            logits = manager.step([StepEntry(sessions[i], pending[i], True) for i in active])
+            logits = manager.step_logits([StepEntry(sessions[i], pending[i], True) for i in active])
             rows = apply_masks([constraints[i] for i in active] if constraints is not None else [None] * len(active), logits)
             params = torch.tensor([params_row(sampling, generators[i]) for i in active], dtype=torch.float32)
             drawn = manager.sample(rows, params, on_device=on_device_sampler).tolist()

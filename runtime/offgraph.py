@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from kvexport.contract import manifest as mf
@@ -205,6 +206,29 @@ class OffgraphKVManager(IOManager):
         """Runs one batch. Returns, per entry, the logits (float32) of its
         last token ([V]) or last `rows` tokens ([rows, V]) if it wants them,
         else None. A refused batch raises before any state changes."""
+        pieces, selected = self._step(entries)
+        rows = {token: logits[i] for tokens, logits in pieces for i, token in enumerate(tokens)}
+        return [None if s is None else rows[s[0]] if len(s) == 1 else torch.stack([rows[i] for i in s]) for s in selected]
+
+    @torch.inference_mode()
+    def step_logits(self, entries: Sequence[StepEntry]) -> torch.Tensor:
+        """step() for entries that each want their last token's logits
+        alone (a decode step): those logits as one [B, V] tensor, in entry
+        order. Where one call selected every row in that order (as a decode
+        step's does) this is that call's output, not a copy."""
+        for entry in entries:
+            if not entry.wants_logits or entry.rows != 1:
+                raise RuntimeRefusal(f"{entry.session!r}: step_logits takes entries that want one row of logits")
+        pieces, selected = self._step(entries)
+        order = [s[0] for s in selected]
+        if len(pieces) == 1 and pieces[0][0] == order:
+            return pieces[0][1][: len(order)]
+        rows = {token: logits[i] for tokens, logits in pieces for i, token in enumerate(tokens)}
+        return torch.stack([rows[i] for i in order])
+
+    def _step(self, entries: Sequence[StepEntry]) -> tuple[list[tuple[list[int], torch.Tensor]], list[range | None]]:
+        """Validates, places and runs a step: (_run's pieces, each entry's
+        selected token indices or None)."""
         counts = self._validate(entries)
         self.cache.make_room(set(counts), sum(counts.values()))
         seqs, token_ids, selected = [], [], []
@@ -213,8 +237,9 @@ class OffgraphKVManager(IOManager):
             token_ids += [operator.index(t) for t in entry.tokens]
             selected.append(range(len(token_ids) - entry.rows, len(token_ids)) if entry.wants_logits else None)
         with self.cache.placed(seqs) as (cells, positions):
-            rows = self._run(torch.tensor(token_ids), positions, cells, seqs, [i for s in selected if s is not None for i in s])
-        return [None if s is None else rows[s[0]] if len(s) == 1 else torch.stack([rows[i] for i in s]) for s in selected]
+            pieces = self._run(torch.tensor(token_ids), positions, cells, seqs,
+                               [i for s in selected if s is not None for i in s])
+        return pieces, selected
 
     def _run(
         self,
@@ -223,10 +248,13 @@ class OffgraphKVManager(IOManager):
         cells: torch.Tensor,
         seqs: list[int],
         selected: list[int],
-    ) -> dict[int, torch.Tensor]:
-        bits = torch.tensor([sequence_bit(s) for s in seqs], dtype=torch.int64)
+    ) -> list[tuple[list[int], torch.Tensor]]:
+        """Runs the placed step slice by slice. Returns per call (the token
+        indices it selected, its logits): row i of the logits is token
+        indices[i]'s."""
+        bits = np.array([sequence_bit(s) for s in seqs], dtype=np.int64)
         n_cells = self.cells_read = self.cache.read_len(set(seqs))
-        out: dict[int, torch.Tensor] = {}
+        out: list[tuple[list[int], torch.Tensor]] = []
         for piece in self.plan(len(seqs)):
             graphed = self.graphs is not None and self.graphs.takes(piece.method)
             cells_seen = self.graphs.cells(n_cells) if graphed else n_cells  # a graph reads a fixed view of the pools
@@ -239,7 +267,7 @@ class OffgraphKVManager(IOManager):
             step_tokens = _pad(tokens[sl], pad, PAD_TOKEN)
             step_pos = _pad(positions[sl], pad, 0)
             step_cells = _pad(cells[sl], pad, SCRATCH_CELL)
-            step_bits = _pad(bits[sl], pad, 0)
+            step_bits = np.concatenate([bits[sl], np.zeros(pad, dtype=np.int64)]) if pad else bits[sl]
             masks = self.cache.masks(step_bits, step_pos, cells_seen)
             inputs = ForwardInputs(
                 tokens=step_tokens.unsqueeze(0),
@@ -257,8 +285,7 @@ class OffgraphKVManager(IOManager):
             if self.costs is not None:
                 self._observe(piece, began)
             check_output(piece.method, logits, (want, self.vocab_size), torch.float32)
-            for i, row in enumerate(rows):
-                out[piece.start + row] = logits[i]
+            out.append(([piece.start + row for row in rows], logits))
         return out
 
     def time_calls(self) -> MethodCosts:

@@ -199,6 +199,29 @@ def test_released_cells_never_leak(model, tiny_runtime):
     assert out == solo(tiny_runtime, model, prompt, 8)
 
 
+@pytest.mark.parametrize("model, backend", MODEL_BACKENDS, indirect=["backend"])
+def test_step_logits_are_steps_rows_in_entry_order(model, tiny_runtime):
+    """step_logits (generate's step) gives the rows step() gives, as one
+    [B, V] tensor in entry order: over several calls (a prompt step wider
+    than the widest method) and over one (a decode step, entries not in
+    session order); entries that want no logits, or more than one row, are
+    refused before anything changes."""
+    by_step, by_logits = tiny_runtime(model), tiny_runtime(model)
+    prompts = [prompt_of(n, seed=60 + n) for n in (3, 9, 30)]
+    pairs = [([r.new_session() for _ in prompts]) for r in (by_step, by_logits)]
+    steps = [prompts, [[5], [6], [7]], [[8], [9], [10]]]
+    for tokens in steps:
+        order = [2, 0, 1] if len(tokens[0]) == 1 else [0, 1, 2]
+        rows = by_step.step([StepEntry(pairs[0][i], tokens[i]) for i in order])
+        logits = by_logits.step_logits([StepEntry(pairs[1][i], tokens[i]) for i in order])
+        assert logits.shape == (3, by_step.vocab_size) and torch.equal(logits, torch.stack(rows))
+    session = pairs[1][0]
+    for entry in (StepEntry(session, [1], wants_logits=False), StepEntry(session, [1, 2], rows=2)):
+        with pytest.raises(RuntimeRefusal, match="one row of logits"):
+            by_logits.step_logits([entry])
+        assert session.length == 3 + 2
+
+
 def test_generate_batched_equals_alone(tiny_runtime):
     prompts = [prompt_of(n, seed=n + 50) for n in (2, 15, 33, 4, 8)]
     together = generate(tiny_runtime(AOTI_MODEL), prompts, 16)
