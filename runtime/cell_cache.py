@@ -327,7 +327,7 @@ class CellCache:
         away = np.concatenate([bring, np.flatnonzero(~low & free)])[: len(evict)]
         src, dst = np.concatenate([evict, bring]), np.concatenate([away, into])
         if len(src):
-            self._move(torch.from_numpy(src.astype(np.int64)), torch.from_numpy(dst.astype(np.int64)))
+            self._move(*(torch.from_numpy(cells.astype(np.int64, copy=False)) for cells in (src, dst)))
         return len(src)
 
     def _move(self, src: torch.Tensor, dst: torch.Tensor) -> None:

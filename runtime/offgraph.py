@@ -207,7 +207,7 @@ class OffgraphKVManager(IOManager):
         last token ([V]) or last `rows` tokens ([rows, V]) if it wants them,
         else None. A refused batch raises before any state changes."""
         pieces, selected = self._step(entries)
-        rows = {token: logits[i] for tokens, logits in pieces for i, token in enumerate(tokens)}
+        rows = _rows_by_token(pieces)
         return [None if s is None else rows[s[0]] if len(s) == 1 else torch.stack([rows[i] for i in s]) for s in selected]
 
     @torch.inference_mode()
@@ -223,7 +223,7 @@ class OffgraphKVManager(IOManager):
         order = [s[0] for s in selected]
         if len(pieces) == 1 and pieces[0][0] == order:
             return pieces[0][1][: len(order)]
-        rows = {token: logits[i] for tokens, logits in pieces for i, token in enumerate(tokens)}
+        rows = _rows_by_token(pieces)
         return torch.stack([rows[i] for i in order])
 
     def _step(self, entries: Sequence[StepEntry]) -> tuple[list[tuple[list[int], torch.Tensor]], list[range | None]]:
@@ -350,6 +350,11 @@ def check_token_ids(tokens: Sequence[Any], vocab_size: int, who: str) -> None:
     bad = [int(t) for t in tokens if not 0 <= operator.index(t) < vocab_size]
     if bad:
         raise RuntimeRefusal(f"{who}: token ids {bad[:5]} are outside the vocabulary 0..{vocab_size - 1}")
+
+
+def _rows_by_token(pieces: list[tuple[list[int], torch.Tensor]]) -> dict[int, torch.Tensor]:
+    """_run's pieces as token index -> that token's logits row."""
+    return {token: logits[i] for tokens, logits in pieces for i, token in enumerate(tokens)}
 
 
 def _pad(values: torch.Tensor, n: int, fill: int) -> torch.Tensor:

@@ -208,7 +208,7 @@ def test_step_logits_are_steps_rows_in_entry_order(model, tiny_runtime):
     refused before anything changes."""
     by_step, by_logits = tiny_runtime(model), tiny_runtime(model)
     prompts = [prompt_of(n, seed=60 + n) for n in (3, 9, 30)]
-    pairs = [([r.new_session() for _ in prompts]) for r in (by_step, by_logits)]
+    pairs = [[r.new_session() for _ in prompts] for r in (by_step, by_logits)]
     steps = [prompts, [[5], [6], [7]], [[8], [9], [10]]]
     for tokens in steps:
         order = [2, 0, 1] if len(tokens[0]) == 1 else [0, 1, 2]
