@@ -18,6 +18,10 @@ own, merged) beside sdpa through the mask; and one session's few rows over
 30 layers' pools in turn, the kernel against sdpa (which the shim picks for
 4+ fp32 rows that see most cells).
 
+A decode step's rows (one a session) over 30 layers' pools evicted from the
+caches before each step, as a package's decode step meets them: the kernel
+beside a plain read of the same pools' bytes.
+
 Several sessions' slices in one step (a server's prefill of several
 prompts; one-row slices: decode rows past a static method's 16) go through
 the shim, which takes them apart by session when its route says so, beside
@@ -27,6 +31,8 @@ sdpa through the mask: the figures that set the route's rule (shims.cpp).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +160,52 @@ def measure_layers(tokens: int, history: int, layers: int = 30) -> dict:
     return row
 
 
+DECODE_SHAPES = [(1, 64), (1, 1024), (8, 1024)]  # (sessions, cells each): a decode step's rows, 30 layers' pools
+
+
+def measure_decode_from_memory(sessions: int, cells_each: int, layers: int = 30, repeats: int = 15) -> dict:
+    """A decode step's attention as a package's step meets it: one row a
+    session, each seeing its own cells (runs of 64 cells a session, in turn),
+    over `layers` layers' [C, Hkv, D] pools, with the pools evicted from the
+    caches before each step (a read of 256 MB, as the weights' stream evicts
+    them). The kernel's ms a step (median) beside the ms to read the same
+    pools' bytes after the same eviction (torch's sum over each key and value
+    view: the floor), and their ratio. Each call's Python overhead is in
+    both."""
+    from kvexport.partitioners.aoti.kernels.build import masked_attention
+
+    cells = sessions * cells_each
+    owner = torch.arange(cells) // 64 % sessions
+    mask = owner[None, :] == torch.arange(sessions)[:, None]
+    q = torch.randn(1, HEADS, sessions, HEAD_DIM)
+    out = torch.empty_like(q)
+    pools = [(torch.randn(cells, KV_HEADS, HEAD_DIM), torch.randn(cells, KV_HEADS, HEAD_DIM)) for _ in range(layers)]
+    views = [(k.permute(1, 0, 2).unsqueeze(0), v.permute(1, 0, 2).unsqueeze(0)) for k, v in pools]
+    evict = torch.ones(64 << 20)
+    scale = HEAD_DIM ** -0.5
+
+    def kernel():
+        for k, v in views:
+            masked_attention(q, k, v, mask, scale, out)
+
+    def read():
+        for k, v in pools:
+            k.sum(), v.sum()
+
+    row = {"layers": layers, "sessions": sessions, "cells_each": cells_each}
+    for f in (kernel, read):
+        f()
+        times = []
+        for _ in range(repeats):
+            evict.sum()
+            start = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - start)
+        row[f"{f.__name__}_ms"] = round(sorted(times)[repeats // 2] * 1e3, 2)
+    row["kernel_over_read"] = round(row["kernel_ms"] / row["read_ms"], 2)
+    return row
+
+
 def main() -> None:
     from kvexport.partitioners.aoti.kernels.build import supported
 
@@ -167,6 +219,7 @@ def main() -> None:
         rows += [measure_slice(tokens, history) for tokens, history in SLICE_SHAPES]
         rows += [measure_layers(tokens, history) for tokens, history in LAYER_SHAPES]
         rows += [measure_sessions_slices(*shape) for shape in SESSIONS_SLICES]
+        rows += [measure_decode_from_memory(*shape) for shape in DECODE_SHAPES]
     emit({"cpu": cpu_model(), "threads": torch.get_num_threads(), "rows": rows})
 
 
