@@ -170,7 +170,9 @@ def shape_directory(root: Path, shape: str) -> Path:
 
 # kvexport's packages of a shape, by label: the flags beyond the common ones
 EXPORTS = {"fp32": [], "bf16": ["--dtype", "bf16"], "8w": ["--qlinear", "8w", "--qembedding", "8w"],
-           "4w": ["--qlinear", "4w", "--qembedding", "8w"], "gguf": ["--qlinear", "gguf"]}
+           "4w": ["--qlinear", "4w", "--qembedding", "8w"], "gguf": ["--qlinear", "gguf"],
+           "8w-int8x2": ["--qlinear", "8w", "--qembedding", "8w", "--qact", "int8x2"],
+           "4w-int8x2": ["--qlinear", "4w", "--qembedding", "8w", "--qact", "int8x2"]}
 
 
 def exported(root: Path, source: Path, label: str, isa: str = "native") -> Path:

@@ -138,8 +138,11 @@ def main() -> None:
         if backend in fp32_bytes:
             row["package_over_fp32_package"] = round(package_bytes / fp32_bytes[backend], 3)
         linears = [c for c in manifest.get("quantization", {}).get("coverage", []) if c["kind"] == "linear"]
-        if linears:  # how many linears take int8 activations (--qact)
-            row["linears_with_int8_activations"] = f"{sum(c.get('activations') == 'int8' for c in linears)}/{len(linears)}"
+        if linears:  # how many linears take int8 activations (--qact int8, or int8x2: two int8 terms)
+            for qact in ("int8", "int8x2"):
+                taking = sum(c.get("activations") == qact for c in linears)
+                if taking or qact == "int8":
+                    row[f"linears_with_{qact}_activations"] = f"{taking}/{len(linears)}"
         for batch in () if args.agreement_only else (1, 8):
             def ours(n: int, batch=batch) -> None:
                 generate(runtime, prompts[:batch], n, stop_at_eos=False)

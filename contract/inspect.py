@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvexport.contract import manifest as mf
+from kvexport.contract import schemes
 from kvexport.contract.display import escape
 from kvexport.contract.errors import PackageError
 from kvexport.contract.manifest import format_shape
@@ -159,8 +160,9 @@ def render(info: dict[str, Any]) -> str:
                      f"qembedding {quant.get('qembedding')}: {done} of {len(rows)} linears and embeddings quantized")
         int8 = [r for r in rows if isinstance(r.get("activations"), str)]
         if int8:
-            taking = sum(1 for r in int8 if r["activations"] == "int8")
-            lines.append(f"  int8 activations on {taking} of {len(int8)} quantized linears (--qact int8)")
+            taking = [r["activations"] for r in int8 if r["activations"] in schemes.ROUNDED]
+            named = "/".join(sorted(set(taking))) or "int8"
+            lines.append(f"  {named} activations on {len(taking)} of {len(int8)} quantized linears (--qact {named})")
         for r in rows:
             if not r.get("scheme"):
                 lines.append(f"  skipped {r.get('module')}: {r.get('skipped')}")

@@ -44,7 +44,10 @@ SCHEMES = (
 )
 BY_NAME = {scheme.name: scheme for scheme in SCHEMES}
 ALGORITHMS = ("minmax", "hqq")  # a group's scale and offset from its range, or from HQQ's search
-QACT = ("none", "int8")  # --qact: a packed linear's activations kept float, or rounded to int8 per block of 32
+# --qact: a packed linear's activations kept float, rounded to int8 per block
+# of 32, or rounded so plus their rounding error rounded alike (two int8 terms)
+QACT = ("none", "int8", "int8x2")
+ROUNDED = QACT[1:]  # the --qact values that make integer products
 QLINEAR = tuple(s.name for s in SCHEMES if s.linears)
 QEMBEDDING = tuple(s.name for s in SCHEMES if s.embeddings)
 
@@ -75,7 +78,7 @@ def check(qlinear: str, qembedding: str, group_size: int, algorithm: str, keep_8
     row = BY_NAME.get(qlinear)
     if qact not in ("", *QACT):
         return f"--qact must be one of {', '.join(QACT)}, got {qact!r}"
-    if qact == "int8" and not int8_activations(row):
+    if qact in ROUNDED and not int8_activations(row):
         able = [s.name for s in SCHEMES if int8_activations(s)]
         return (f"--qact {qact} rounds the activations of linears with packed codes ({', '.join(able)}): "
                 f"add --qlinear {able[0]}" + (" (8da4w rounds its own)" if qlinear == "8da4w" else ""))

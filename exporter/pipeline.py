@@ -214,7 +214,7 @@ def _reference(state: ExportState) -> ReferenceSection:
     config = loaded.model.config.get_text_config()
     native = getattr(config, "max_position_embeddings", None) or 4096
     context = min(native, spec.max_context_len or native)
-    int8 = any(row.get("activations") == "int8" for row in state.coverage)
+    int8 = any(row.get("activations") in schemes.ROUNDED for row in state.coverage)
     return golden.reference(loaded.model, loaded.tokenizer, dtype=spec.dtype, steps=spec.verify_tokens,
                             widest_static=max(spec.forward_sizes), context=context, int8_activations=int8,
                             progress=state.progress)

@@ -36,7 +36,7 @@ from kvexport.passes.base import arguments, emit
 
 aten = torch.ops.aten
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-_INT8_ROWS = torch.ops.kvexport.int8_rows.default
+_ROUNDINGS = (torch.ops.kvexport.int8_rows.default, torch.ops.kvexport.int8x2_rows.default)
 _DEQUANTIZE_BLOCKS = torch.ops.kvexport.dequantize_blocks.default
 
 
@@ -103,8 +103,8 @@ def fuse_sibling_linears(program: torch.export.ExportedProgram, fused: FusedWeig
 def fuse_sibling_int8_products(program: torch.export.ExportedProgram, fused: FusedWeights) -> int:
     """Rewrites every group of two or more products with int8 activations
     over one input (exporter/quantization's Int8Linear:
-    linear(int8_rows(x), dequantize_blocks(data, scale, offset, bits, dtype))),
-    whose codes have one width, group and code size, whose scales one dtype,
+    linear(int8_rows(x), dequantize_blocks(data, scale, offset, bits, dtype)),
+    or the same with int8x2_rows(x), never the two mixed), whose codes have one width, group and code size, whose scales one dtype,
     and whose biases are all parameters or all absent: their codes, scales
     and offsets stacked along the rows (codes in blocks are panel by panel of
     8 rows, so the stacked codes are the parts' bytes one after the other,
@@ -120,14 +120,15 @@ def fuse_sibling_int8_products(program: torch.export.ExportedProgram, fused: Fus
             continue
         given = arguments(node)
         rounded, weight, bias = given["input"], given["weight"], given.get("bias")
-        if not (_calls(rounded, _INT8_ROWS) and _calls(weight, _DEQUANTIZE_BLOCKS) and len(weight.args) == 5):
+        if not (any(_calls(rounded, r) for r in _ROUNDINGS) and _calls(weight, _DEQUANTIZE_BLOCKS)
+                and len(weight.args) == 5):
             continue
         data, scale, offset, bits, dtype = weight.args
         if not all(_stored(t, stored) for t in (data, scale, offset)) or (
                 bias is not None and not _parameter(bias, signature.inputs_to_parameters)):
             continue
         shapes = tuple(tuple(t.meta["val"].shape[1:]) for t in (data, scale, offset))
-        key = (rounded.args[0], bits, dtype, shapes, scale.meta["val"].dtype, None if bias is None else bias.meta["val"].dtype)
+        key = (rounded.target, rounded.args[0], bits, dtype, shapes, scale.meta["val"].dtype, None if bias is None else bias.meta["val"].dtype)
         groups.setdefault(key, []).append(node)
     count = 0
     replaced: set[torch.fx.Node] = set()

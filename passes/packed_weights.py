@@ -240,10 +240,21 @@ def _int8_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.mul(codes, step).reshape(x.shape)
 
 
+def _int8x2_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as int8_rows rounds it, plus its rounding error rounded the
+    same way: two int8 codes and two steps per value of a block, about 15
+    bits of it (the second step is at most 1/254 of the first), for twice
+    the integer products (--qact int8x2)."""
+    first = torch.ops.kvexport.int8_rows(x)
+    return torch.add(first, torch.ops.kvexport.int8_rows(torch.sub(x, first)))
+
+
 _LIB.define("dequantize_blocks(Tensor data, Tensor scale, Tensor offset, int bits, ScalarType dtype) -> Tensor")
 _LIB.impl("dequantize_blocks", _dequantize_blocks, "CompositeImplicitAutograd")
 _LIB.define("int8_rows(Tensor x) -> Tensor")
 _LIB.impl("int8_rows", _int8_rows, "CompositeImplicitAutograd")
+_LIB.define("int8x2_rows(Tensor x) -> Tensor")
+_LIB.impl("int8x2_rows", _int8x2_rows, "CompositeImplicitAutograd")
 
 
 def dequantize_blocks(data, scale, offset, bits: int, dtype: torch.dtype) -> torch.Tensor:
@@ -252,6 +263,15 @@ def dequantize_blocks(data, scale, offset, bits: int, dtype: torch.dtype) -> tor
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.kvexport.int8_rows(x)
+
+
+def int8x2_rows(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.kvexport.int8x2_rows(x)
+
+
+def rounded_rows(x: torch.Tensor, qact: str) -> torch.Tensor:
+    """x as a product with `qact` activations (contract/schemes.py) takes it."""
+    return int8x2_rows(x) if qact == "int8x2" else int8_rows(x)
 
 
 def _is_packed(node: object) -> bool:

@@ -24,7 +24,8 @@ from kvexport.partitioners.aoti.passes.int8_linear import INT8_LINEAR, Int8Linea
 from kvexport.passes.base import run_passes
 from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
 from kvexport.passes.packed_weights import (
-    INV_127, _dequantize_blocks, int8_rows, narrow_tables, pack_blocks, pack_table, unpack_blocks, unpack_table,
+    INV_127, _dequantize_blocks, int8_rows, int8x2_rows, narrow_tables, pack_blocks, pack_table, unpack_blocks,
+    unpack_table,
 )
 
 
@@ -71,9 +72,27 @@ def test_int8_rows_round_each_block_to_127_steps_of_its_largest_magnitude():
     assert torch.equal(got[1, 0], torch.zeros(32))  # an all-zero block stays zero
 
 
-def test_the_stored_rounding_calls_only_allowlisted_operators():
+def test_int8x2_rows_add_the_rounding_error_rounded_alike():
+    """Two terms: the rows rounded as int8_rows rounds them, plus their
+    rounding error rounded the same way, so each value is within half of a
+    step of at most 1/254 of the first's (about 15 bits of the block)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 96) * torch.tensor([1.0, 1e3, 1e-3]).repeat_interleave(32)
+    x[1, :32] = 0.0
+    first = int8_rows(x)
+    got = int8x2_rows(x)
+    assert torch.equal(got, first + int8_rows(x - first))
+    step = (x.abs().reshape(3, 3, 32).amax(-1, keepdim=True) * INV_127).expand(3, 3, 32).reshape(3, 96)
+    error, one_term = (got - x).abs(), (first - x).abs()
+    assert (error <= step / 508 + x.abs() * 2**-23).all()  # half a second step, and fp32's rounding of the sum
+    assert error.max() < one_term.max() / 100
+    assert torch.equal(got[1, :32], torch.zeros(32))
+
+
+@pytest.mark.parametrize("qact", ["int8", "int8x2"])
+def test_the_stored_rounding_calls_only_allowlisted_operators(qact):
     module = Int8Linear(pack_blocks(torch.zeros(8, 64, dtype=torch.uint8), 4), torch.ones(1, 16).half(),
-                        torch.zeros(1, 16).half(), 4)
+                        torch.zeros(1, 16).half(), 4, qact=qact)
     program = torch.export.export(module, (torch.randn(2, 64),))
     run_passes(program.graph_module, [DecomposeCustomOpsPass()], "m")
     called = {f"torch.ops.{n.target}" for n in program.graph.nodes if n.op == "call_function"}
@@ -133,8 +152,8 @@ def test_qact_without_packed_linears_is_refused(tmp_path, flags, message):
         export_tiny("tiny-llama", tmp_path / "pkg", **flags)
 
 
-def program_of(bits: int, rows: int, bias: bool = True,
-               dynamic: bool = False) -> tuple[torch.export.ExportedProgram, nn.Module, torch.Tensor]:
+def program_of(bits: int, rows: int, bias: bool = True, dynamic: bool = False,
+               qact: str = "int8") -> tuple[torch.export.ExportedProgram, nn.Module, torch.Tensor]:
     """An int8 linear's stored arithmetic over `rows` rows (a row count
     known only at run time when `dynamic`)."""
     torch.manual_seed(bits + rows)
@@ -143,7 +162,7 @@ def program_of(bits: int, rows: int, bias: bool = True,
     if rows > 1:  # fp16 tables, as exports store them where they fit
         scale, offset = scale.half(), offset.half()
     module = Int8Linear(pack_blocks(codes, bits), pack_table(scale), pack_table(offset), bits,
-                        torch.randn(24) if bias else None).eval()
+                        torch.randn(24) if bias else None, qact=qact).eval()
     x = torch.randn(1, rows, 64)
     shapes = {"x": {1: torch.export.Dim("tokens", min=2, max=64)}} if dynamic else None
     program = torch.export.export(module, (x,), dynamic_shapes=shapes)
@@ -153,12 +172,14 @@ def program_of(bits: int, rows: int, bias: bool = True,
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_the_compile_pass_finds_the_stored_arithmetic_and_keeps_its_results(bits, rows):
-    program, module, x = program_of(bits, rows, bias=rows == 1)
+@pytest.mark.parametrize("qact,terms", [("int8", 1), ("int8x2", 2)])
+def test_the_compile_pass_finds_the_stored_arithmetic_and_keeps_its_results(bits, rows, qact, terms):
+    program, module, x = program_of(bits, rows, bias=rows == 1, qact=qact)
     run_passes(program.graph_module, [Int8LinearPass((1, 5))], "m")
     program.graph.eliminate_dead_code()
     called = [n.target for n in program.graph.nodes if n.op == "call_function"]
     assert called.count(INT8_LINEAR) == 1 and torch.ops.aten.linear.default not in called
+    assert next(n for n in program.graph.nodes if n.target is INT8_LINEAR).args[-1] == terms
     assert torch.ops.aten.round.default not in called  # the rows' rounding is the kernel's
     torch.testing.assert_close(program.module()(x), module(x), rtol=1e-6, atol=1e-6)
 
@@ -187,6 +208,11 @@ def test_the_compile_pass_leaves_other_row_counts_and_other_arithmetic():
     program, _, _ = program_of(4, 1)
     step = next(n for n in program.graph.nodes if n.target is torch.ops.aten.mul.Tensor and n.args[1] == INV_127)
     step.args = (step.args[0], 1 / 100)  # a different rounding is not the kernel's
+    linear = next(n for n in program.graph.nodes if n.target is torch.ops.aten.linear.default)
+    assert int8_product(linear) is None
+    program, _, _ = program_of(4, 1, qact="int8x2")
+    error = next(n for n in program.graph.nodes if n.target is torch.ops.aten.sub.Tensor)
+    error.args = (error.args[0], error.args[0])  # a second term that is not the first's rounding error
     linear = next(n for n in program.graph.nodes if n.target is torch.ops.aten.linear.default)
     assert int8_product(linear) is None
 
@@ -243,20 +269,21 @@ def test_an_int8_package_runs_its_static_products_on_the_kernels(tiny_package):
                          re.MULTILINE), progress
 
 
-def test_a_portable_package_computes_the_eager_int8_arithmetic(tiny_package):
-    """--qact int8 on the portable backend (no kernel: the stored rounding
-    and dequantization run as plain ATen) gives the eagerly quantized
-    model's greedy tokens, alone and batched."""
+@pytest.mark.parametrize("qact", ["int8", "int8x2"])
+def test_a_portable_package_computes_the_eager_int8_arithmetic(tiny_package, qact):
+    """--qact int8 (and int8x2) on the portable backend (no kernel: the
+    stored rounding and dequantization run as plain ATen) gives the eagerly
+    quantized model's greedy tokens, alone and batched."""
     from helpers import hf_greedy, prompt_of
     from kvexport.exporter.sources.models import load_model
     from kvexport.runtime import generate, load
 
-    package = tiny_package("tiny-llama", qlinear="4w", qembedding="8w", qact="int8")
+    package = tiny_package("tiny-llama", qlinear="4w", qembedding="8w", qact=qact)
     coverage = json.loads((package / "manifest.json").read_text())["quantization"]["coverage"]
     eager = load_model("tiny-llama").model
     linears = sum(isinstance(m, nn.Linear) for m in eager.modules())
-    assert sum(1 for r in coverage if r.get("activations") == "int8") == linears - 1  # all but the tied head
-    quantize_model(eager, "4w", 0, "8w", qact="int8")
+    assert sum(1 for r in coverage if r.get("activations") == qact) == linears - 1  # all but the tied head
+    quantize_model(eager, "4w", 0, "8w", qact=qact)
     runtime = load(package)
     prompts = [prompt_of(5, seed=1), prompt_of(30, seed=2)]
     want = [hf_greedy(eager, p, 16) for p in prompts]
@@ -305,3 +332,33 @@ def test_a_tied_head_multiplies_the_embeddings_codes_with_int8_activations(tmp_p
         progress = "\n".join(PROGRESS[str(out)])
         assert re.search(r"forward_1 compiled in [0-9.]+ s, calling kvexport's int8_linear x\d+", progress), progress
         assert not re.search(r"forward_1 compiled .*packed_linear", progress), progress
+
+
+@pytest.mark.compile
+def test_an_int8x2_package_runs_two_terms_on_the_kernel_and_verifies(tiny_package):
+    """--qact int8x2 on aoti: every linear but the tied head takes two int8
+    terms, the report says so, the static methods call the int8 kernel, and
+    the package verifies (export checks its tokens alone and batched against
+    its eager reference, int8x2_rows' arithmetic); the runtime's greedy
+    tokens are the eagerly quantized model's."""
+    from helpers import PROGRESS, hf_greedy, prompt_of
+    from kvexport.exporter.sources.models import load_model
+    from kvexport.partitioners.aoti.kernels import build
+    from kvexport.runtime import generate, load
+
+    if not build.supported():
+        pytest.skip("kvexport's kernels need x86 with AVX2 or AVX-512")
+    path = tiny_package("tiny-llama", "aoti", qlinear="4w", qembedding="8w", qact="int8x2")
+    coverage = json.loads((path / "manifest.json").read_text())["quantization"]["coverage"]
+    taking = sum(1 for r in coverage if r.get("activations") == "int8x2")
+    assert taking == sum(1 for r in coverage if r["kind"] == "linear") - 1
+    assert f"int8x2 activations on {taking} of {taking + 1} quantized linears" in CliRunner().invoke(
+        main, ["inspect", str(path)]).stdout
+    progress = "\n".join(PROGRESS[str(path)])
+    assert re.search(r"forward_\d+ compiled in [0-9.]+ s, calling kvexport's int8_linear x\d+", progress), progress
+    eager = load_model("tiny-llama").model
+    quantize_model(eager, "4w", 0, "8w", qact="int8x2")
+    runtime = load(path)
+    prompts = [prompt_of(5, seed=1), prompt_of(30, seed=2)]
+    want = [hf_greedy(eager, p, 12) for p in prompts]
+    assert generate(runtime, prompts, 12) == want

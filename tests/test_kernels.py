@@ -455,12 +455,12 @@ def test_the_packed_op_is_its_decomposition():
 
 # ----------------------------------------------------------- int8 linear
 def int8_operands(bits: int, rows: int, out_features: int, width: int, groups: int, row_stride: int = 0,
-                  half: bool = False):
+                  half: bool = False, terms: int = 1):
     """x, and a weight of random codes in the blocks format with random
     scales and offsets (fp16 with `half`, as exports store them); plus x
-    rounded to int8 by the definition (passes/packed_weights.py) and the
-    weight, both float64."""
-    from kvexport.passes.packed_weights import _int8_rows, pack_blocks, pack_table
+    rounded to int8 by the definition (passes/packed_weights.py; `terms` 2:
+    int8x2_rows) and the weight, both float64."""
+    from kvexport.passes.packed_weights import _int8_rows, _int8x2_rows, pack_blocks, pack_table
 
     g = torch.Generator().manual_seed(bits * 7919 + rows * 1000 + out_features + width + groups + 1)
     x = torch.randn(rows, row_stride or width, generator=g)[:, :width]
@@ -472,7 +472,8 @@ def int8_operands(bits: int, rows: int, out_features: int, width: int, groups: i
         scale, offset = scale.half(), offset.half()
         weight = (codes.double().reshape(out_features, groups, -1) * scale.double()[..., None]
                   + offset.double()[..., None]).reshape(out_features, width)
-    return x, pack_blocks(codes, bits), pack_table(scale), pack_table(offset), _int8_rows(x).double(), weight
+    rounded = _int8x2_rows(x) if terms == 2 else _int8_rows(x)
+    return x, pack_blocks(codes, bits), pack_table(scale), pack_table(offset), rounded.double(), weight
 
 
 # row counts over and under a register tile and a pass of rows (7 on
@@ -498,9 +499,33 @@ def test_int8_linear(isa, shims, bits, rows, out_features, width, groups, row_st
     x, data, scale, offset, rounded, weight = int8_operands(bits, rows, out_features, width, groups, row_stride, half)
     out = torch.full((rows, out_features), float("nan"))
     assert_float_sum(build.int8_linear(x, data, scale, offset, bits, out=out, isa=isa), rounded, weight)
-    assert_float_sum(shims.call("int8_linear", x, data, scale, offset, bits), rounded, weight)
+    assert_float_sum(shims.call("int8_linear", x, data, scale, offset, bits, 1), rounded, weight)
     for products in INT8_PRODUCTS[isa]:
         assert_float_sum(build.int8_linear(x, data, scale, offset, bits, isa=isa, products=products), rounded, weight)
+
+
+# two terms: one row and a pass's worth (2 M rows of codes: 8 sessions are 16, two passes), prefill-sized, strided
+INT8X2_CASES = [(b, r, n, k, gr, s, h) for b in (4, 8) for r, n, k, gr, s, h in (
+    (1, 64, 64, 2, 0, False), (3, 136, 96, 1, 0, True), (8, 40, 576, 18, 0, True), (9, 576, 4096, 128, 0, True),
+    (40, 64, 64, 2, 70, False))]
+
+
+@pytest.mark.parametrize("bits,rows,out_features,width,groups,row_stride,half", INT8X2_CASES)
+def test_int8_linear_with_two_terms(isa, shims, bits, rows, out_features, width, groups, row_stride, half):
+    """terms=2 rounds x and then its rounding error to the codes of the
+    definition (int8x2_rows) and sums both products exactly; the result is
+    far closer to the float product than one term's."""
+    x, data, scale, offset, rounded, weight = int8_operands(bits, rows, out_features, width, groups, row_stride, half,
+                                                            terms=2)
+    out = torch.full((rows, out_features), float("nan"))
+    got = build.int8_linear(x, data, scale, offset, bits, 2, out=out, isa=isa)
+    assert_float_sum(got, rounded, weight)
+    assert_float_sum(shims.call("int8_linear", x, data, scale, offset, bits, 2), rounded, weight)
+    for products in INT8_PRODUCTS[isa]:
+        assert_float_sum(build.int8_linear(x, data, scale, offset, bits, 2, isa=isa, products=products), rounded, weight)
+    exact = x.double() @ weight.T
+    one_term = (build.int8_linear(x, data, scale, offset, bits, isa=isa).double() - exact).abs().max()
+    assert (got.double() - exact).abs().max() < one_term / 30
 
 
 INT8_PRODUCTS = {isa: ["maddubs", "vnni"] if build.has_vnni(isa) else ["maddubs"] for isa in ISAS}
@@ -514,7 +539,7 @@ def test_the_int8_kernel_runs_vnni_where_the_cpu_has_it(isa, shims, bits):
         pytest.skip(f"this CPU has no VNNI for the {isa} build")
     x, data, scale, offset, _, _ = int8_operands(bits, 5, 136, 96, 3, half=True)
     vnni = build.int8_linear(x, data, scale, offset, bits, isa=isa, products="vnni")
-    assert torch.equal(shims.call("int8_linear", x, data, scale, offset, bits), vnni)
+    assert torch.equal(shims.call("int8_linear", x, data, scale, offset, bits, 1), vnni)
     if bits == 4:
         assert torch.equal(build.int8_linear(x, data, scale, offset, bits, isa=isa, products="maddubs"), vnni)
 
@@ -524,17 +549,18 @@ def test_the_int8_op_is_its_decomposition():
     run) is the stored rounding of x, the dequantization and a linear."""
     from kvexport.partitioners.aoti.passes.int8_linear import int8_linear
 
-    x, data, scale, offset, rounded, weight = int8_operands(4, 3, 40, 64, 2)
-    assert_float_sum(int8_linear(x, data, scale, offset, 4), rounded, weight)
+    for terms in (1, 2):
+        x, data, scale, offset, rounded, weight = int8_operands(4, 3, 40, 64, 2, terms=terms)
+        assert_float_sum(int8_linear(x, data, scale, offset, 4, terms), rounded, weight)
 
 
 # ------------------------------------------------------------ refusals
-def _int8(bits=4, width=64, groups=2, data_dtype=torch.uint8, scale_rows=5, offset_dtype=torch.float32):
+def _int8(bits=4, width=64, groups=2, data_dtype=torch.uint8, scale_rows=5, offset_dtype=torch.float32, terms=1):
     x, data, _, _, _, _ = int8_operands(4, 2, 40, 64, 2)
     if width != 64:
         x, data = torch.randn(2, width), torch.zeros(5, width * 4, dtype=torch.uint8)
     scale, offset = torch.rand(scale_rows, groups * 8) + 0.01, torch.randn(scale_rows, groups * 8)
-    return x, data.to(data_dtype), scale, offset.to(offset_dtype), bits
+    return x, data.to(data_dtype), scale, offset.to(offset_dtype), bits, terms
 
 
 def _packed(bits=4, groups=2, width=64, words_dtype=torch.int32, rows=40):
@@ -551,6 +577,7 @@ REFUSED = [
     ("packed_linear", lambda: _packed(width=60, groups=1), "multiple of 8 \\* groups"),
     ("packed_linear", lambda: _packed(rows=41), "rows must be within|rows <= lanes"),
     ("int8_linear", lambda: _int8(bits=2), "bits must be 4 or 8|of 4 or 8 bits"),
+    ("int8_linear", lambda: _int8(terms=3), "terms must be 1 or 2|terms 1 or 2"),
     ("int8_linear", lambda: _int8(data_dtype=torch.int8), "data uint8|uint8 data"),
     ("int8_linear", lambda: _int8(width=48, groups=1), "multiple of 32"),
     ("int8_linear", lambda: _int8(groups=4), "multiple of 32 \\* groups"),

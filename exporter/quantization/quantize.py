@@ -17,7 +17,8 @@ activations are rounded too, per row in blocks of 32 to int8 codes and a
 step (passes/packed_weights.py, int8_rows), and its codes are stored in
 blocks along K, in panels of 8 rows (Int8Linear): the arithmetic of integer
 dot products, which the eager reference, the portable backend and the aoti
-kernel all compute. A tied LM head that shares a quantized embedding's
+kernel all compute. `--qact int8x2` adds each block's rounding error,
+rounded the same way (int8x2_rows): two int8 terms, about 15 bits. A tied LM head that shares a quantized embedding's
 codes takes them too: the embedding stores them in that format, and its
 lookups read them there. A linear whose rows are not a multiple of 8 or
 whose groups are not whole blocks, or a head tied to such an embedding,
@@ -46,7 +47,7 @@ from kvexport.contract.errors import SpecError
 from kvexport.exporter.memory import release_freed_memory
 from kvexport.exporter.quantization.gguf_codes import GroupCodes, read_gguf_codes
 from kvexport.passes.packed_weights import (
-    BLOCK, PANEL_ROWS, dequantize_block_rows, dequantize_blocks, dequantize_packed, dequantize_rows, int8_rows,
+    BLOCK, PANEL_ROWS, dequantize_block_rows, dequantize_blocks, dequantize_packed, dequantize_rows, rounded_rows,
     narrow_tables, pack, pack_blocks, pack_table, pad_rows,
 )
 
@@ -81,11 +82,13 @@ class PackedLinear(nn.Module):
 class Int8Linear(nn.Module):
     """A linear with int8 activations over codes in blocks:
     F.linear(int8_rows(x), dequantize_blocks(...)), the arithmetic of an
-    integer dot product per block of 32; the backend's passes pick the kernel."""
+    integer dot product per block of 32 (`qact` int8x2: int8x2_rows(x), two
+    such products); the backend's passes pick the kernel."""
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, qact: str = "int8"):
         super().__init__()
+        self.qact = qact
         self.register_buffer("data", data)
         self.register_buffer("scale", scale)
         self.register_buffer("offset", offset)
@@ -94,7 +97,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = dequantize_blocks(self.data, self.scale, self.offset, self.bits, x.dtype)
-        return F.linear(int8_rows(x), weight, self.bias)
+        return F.linear(rounded_rows(x, self.qact), weight, self.bias)
 
 
 class PackedEmbedding(nn.Module):
@@ -197,8 +200,9 @@ def quantize_model(
     """Quantizes in place; returns one coverage row per linear and
     embedding. A tied LM head shares the embedding's codes when both are
     quantized (one stored copy); other tied weights are skipped, since
-    quantizing one would untie them and store both. With `qact` int8 the
-    linears that can take int8 activations do (`activations` in their row)."""
+    quantizing one would untie them and store both. With `qact` int8 or
+    int8x2 the linears that can take int8 activations do (`activations` in
+    their row: the qact, or why they stay float)."""
     if qlinear == "8da4w":
         return _torchao_8da4w(model, group_size, qembedding)
     modules = {fqn: m for fqn, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
@@ -226,16 +230,17 @@ def quantize_model(
             continue
         row.update(scheme=f"{codes.bits}w" if qlinear != "gguf" else "gguf", bits=codes.bits,
                    granularity="per row" if codes.group == module.weight.shape[1] else f"per group of {codes.group}")
-        if kind == "linear" and qact == "int8":
+        if kind == "linear" and qact in schemes.ROUNDED:
             why_not = None if shares in in_blocks else int8_refusal(codes, shares)  # in_blocks: checked as the embedding
-            row["activations"] = "int8" if why_not is None else f"float ({why_not})"
-        elif kind == "embedding" and qact == "int8" and shares == fqn and int8_refusal(codes, None) is None:
+            row["activations"] = qact if why_not is None else f"float ({why_not})"
+        elif kind == "embedding" and qact in schemes.ROUNDED and shares == fqn and int8_refusal(codes, None) is None:
             in_blocks.add(fqn)  # its tied head shares these codes and can multiply them with int8 activations
         if shares and shares in done and done[shares] is codes:
             row["shared_with"] = shares
         elif id(codes) not in packed_by:
             # packed now, the unpacked codes dropped: a model's codes and words are never held at once
-            words = packed(codes, blocks=row.get("activations") == "int8" or fqn in in_blocks, exact=qlinear == "gguf")
+            words = packed(codes, blocks=row.get("activations") in schemes.ROUNDED or fqn in in_blocks,
+                           exact=qlinear == "gguf")
             codes = dataclasses.replace(codes, codes=torch.empty(0, dtype=torch.uint8))
             packed_by[id(codes)] = words
         done[fqn] = codes
@@ -287,8 +292,9 @@ def _install(model: nn.Module, modules: dict[str, nn.Module], done: dict[str, Gr
         n = module.weight.shape[0]
         if isinstance(module, nn.Linear):
             bias = module.bias.detach() if module.bias is not None else None
-            if by_module[fqn].get("activations") == "int8":
-                new: nn.Module = Int8Linear(words, scale, offset, bits, bias)
+            qact = by_module[fqn].get("activations")
+            if qact in schemes.ROUNDED:
+                new: nn.Module = Int8Linear(words, scale, offset, bits, bias, qact)
             else:
                 new = PackedLinear(words, scale, offset, bits, n, bias)
         else:
@@ -423,6 +429,8 @@ def coverage_summary(rows: list[dict[str, Any]]) -> list[str]:
                 lines.append(f"  {r['module']} shares the codes of {r['shared_with']} (tied)")
         asked = [r for r in done if "activations" in r]
         if asked:
-            lines.append(f"int8 activations on {sum(r['activations'] == 'int8' for r in asked)} of {len(asked)} quantized {kind}s")
-            lines += [f"  {r['module']}: activations {r['activations']}" for r in asked if r["activations"] != "int8"]
+            rounded = [r for r in asked if r["activations"] in schemes.ROUNDED]
+            named = "/".join(sorted({r["activations"] for r in rounded})) or "int8"
+            lines.append(f"{named} activations on {len(rounded)} of {len(asked)} quantized {kind}s")
+            lines += [f"  {r['module']}: activations {r['activations']}" for r in asked if r not in rounded]
     return lines

@@ -191,9 +191,10 @@ def dynamic_int8_bits(isa: str | None = None) -> tuple[int, ...]:
     return (4, 8) if has_vnni(isa) else (4,)
 
 
-def int8_linear(x, data, scale, offset, bits: int, out=None, isa: str | None = None, products: str = ""):
+def int8_linear(x, data, scale, offset, bits: int, terms: int = 1, out=None, isa: str | None = None, products: str = ""):
     """x [M, K] (unit stride along K), its rows rounded to int8 per block of
-    32, times the weight of codes in the blocks format (data uint8
+    32 (terms 1: int8_rows; 2: int8x2_rows, that plus its rounding error
+    rounded alike), times the weight of codes in the blocks format (data uint8
     [N / 8, K * bits], scale and offset [N / 8, groups * 8], both fp32 or both
     fp16; passes/packed_weights.py) transposed, on the int8_linear kernel
     (built for `isa`), into out [M, N] when given. products: "" as compiled
@@ -204,7 +205,7 @@ def int8_linear(x, data, scale, offset, bits: int, out=None, isa: str | None = N
     (m, k), panels = x.shape, data.shape[0]
     n, groups = panels * 8, (scale.shape[1] // 8 if scale.dim() == 2 else 0)
     out = x.new_empty(m, n) if out is None else out
-    if not (bits in (4, 8) and x.dtype == out.dtype == torch.float32
+    if not (bits in (4, 8) and terms in (1, 2) and x.dtype == out.dtype == torch.float32
             and scale.dtype == offset.dtype and scale.dtype in (torch.float32, torch.float16) and data.dtype == torch.uint8
             and data.dim() == 2 and data.shape[1] == k * bits and x.stride(1) == 1
             and data.is_contiguous() and scale.is_contiguous() and offset.is_contiguous()
@@ -212,12 +213,12 @@ def int8_linear(x, data, scale, offset, bits: int, out=None, isa: str | None = N
             and out.is_contiguous() and tuple(out.shape) == (m, n)):
         raise ValueError("int8_linear takes fp32 x [M, K] with unit stride along K, contiguous uint8 data "
                          "[N / 8, K * bits] of 4 or 8 bits, scale and offset [N / 8, groups * 8] both fp32 or both "
-                         "fp16 with K a multiple of 32 * groups, and out [M, N]")
+                         "fp16 with K a multiple of 32 * groups, out [M, N], and terms 1 or 2")
     if products not in ("", "maddubs", "vnni"):
         raise ValueError(f"int8_linear's products are maddubs or vnni, not {products!r}")
     kernel = f"{INT8_LINEAR.name}_{products}" if products else INT8_LINEAR.name
     shared_kernel(isa)[kernel](x.data_ptr(), x.stride(0), data.data_ptr(), scale.data_ptr(), offset.data_ptr(),
-                               out.data_ptr(), m, n, k, groups, bits, scale.element_size() * 8)
+                               out.data_ptr(), m, n, k, groups, bits, scale.element_size() * 8, terms)
     return out
 
 

@@ -10,7 +10,11 @@
 // where xq is x rounded per row in blocks of 32 to int8 codes q times a step
 // (step = the block's largest magnitude / 127, q = round(x / step)): exactly
 // passes/packed_weights.py's int8_rows, so a package's eager reference
-// computes the same codes. Each block's product is an integer dot product,
+// computes the same codes. With two terms (--qact int8x2, int8x2_rows), xq
+// is that plus the rounding error x - xq rounded the same way: each row
+// becomes two rows of int8 codes, multiplied as any others, and their two
+// results are summed (about 15 bits of each activation for twice the
+// integer products; the weight is still read once). Each block's product is an integer dot product,
 // 32 code pairs summed exactly in int32 (maddubs then madd on AVX2), then
 // scaled once by the block's step times the group's scale; the offsets
 // multiply each row's sum of xq over a group, computed once a call.
@@ -43,6 +47,7 @@
 #include <omp.h>
 
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -100,16 +105,44 @@ inline ivec block_codes(const float* p, float& step, int32_t& sum) {
                                      order);
 }
 
-Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups) {
-  const int64_t blocks = K / BLOCK, per_group = blocks / groups;
-  Rows r{std::vector<int8_t>(M * K), std::vector<float>(M * blocks), std::vector<float>(M * groups, 0.0f)};
+// x - q * step for a block's 32 floats at p and their codes q (32 bytes in K
+// order): the rounding error, as int8x2_rows computes it (fp32 multiply, then subtract)
+inline void rounding_error(const float* p, ivec q, float step, float* error) {
+  alignas(32) int8_t codes[BLOCK];
+  _mm256_store_si256((ivec*)codes, q);
+  const vec s = broadcast(step);
+  for (int i = 0; i < 4; i++) {
+    vec back = mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(codes + 8 * i)))), s);
+    // rounded here, as torch rounds it: without the barrier the compiler fuses the multiply and the
+    // subtraction into one FMA, a different error, and a block's second codes differ from the definition's
+    asm("" : "+x"(back));
+    store(error + 8 * i, _mm256_sub_ps(load(p + 8 * i), back));
+  }
+}
+
+// x's M rows as int8 codes; with two terms, 2 M rows: row 2m holds row m's
+// codes, row 2m + 1 those of its rounding error
+Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups, int terms) {
+  const int64_t blocks = K / BLOCK, per_group = blocks / groups, R = M * terms;
+  Rows r{std::vector<int8_t>(R * K), std::vector<float>(R * blocks), std::vector<float>(R * groups, 0.0f)};
+  const auto put = [&](int64_t row, int64_t b, const float* p) {
+    float step;
+    int32_t sum;
+    const ivec q = block_codes(p, step, sum);
+    _mm256_storeu_si256((ivec*)(r.codes.data() + row * K + b * BLOCK), q);
+    r.steps[row * blocks + b] = step;
+    r.sums[row * groups + b / per_group] += step * (float)sum;
+    return std::make_pair(q, step);
+  };
   const auto row = [&](int64_t m) {
     for (int64_t b = 0; b < blocks; b++) {
-      float step;
-      int32_t sum;
-      _mm256_storeu_si256((ivec*)(r.codes.data() + m * K + b * BLOCK), block_codes(x + m * ldx + b * BLOCK, step, sum));
-      r.steps[m * blocks + b] = step;
-      r.sums[m * groups + b / per_group] += step * (float)sum;
+      const float* p = x + m * ldx + b * BLOCK;
+      const auto [q, step] = put(m * terms, b, p);
+      if (terms == 2) {
+        alignas(32) float error[BLOCK];
+        rounding_error(p, q, step, error);
+        put(m * terms + 1, b, error);
+      }
     }
   };
   if (M >= 32) {
@@ -282,21 +315,28 @@ void rows_by_panels(int rows, const Rows& r, int64_t m0, const uint8_t* data, co
 
 template <int BITS, typename S>
 void product(const float* x, int64_t ldx, const uint8_t* data, const S* scale, const S* offset, float* out,
-             int64_t M, int64_t N, int64_t K, int64_t groups) {
-  const Rows rows = quantize(x, ldx, M, K, groups);
+             int64_t M, int64_t N, int64_t K, int64_t groups, int terms) {
+  const Rows rows = quantize(x, ldx, M, K, groups, terms);
+  const int64_t R = M * terms;  // rows of codes
+  std::vector<float> by_term(terms == 2 ? R * N : 0);  // two terms: each code row's products, summed in pairs below
+  float* products = terms == 2 ? by_term.data() : out;
   const int64_t panels = N / PANEL, panel_bytes = K * BITS;
-  const int64_t chunk = M <= MR_MAX ? panels : (CHUNK_BYTES / panel_bytes > 0 ? CHUNK_BYTES / panel_bytes : 1);
-  const int64_t passes = (M + MR_MAX - 1) / MR_MAX, per_pass = (M + passes - 1) / passes;  // passes of even size
+  const int64_t chunk = R <= MR_MAX ? panels : (CHUNK_BYTES / panel_bytes > 0 ? CHUNK_BYTES / panel_bytes : 1);
+  const int64_t passes = (R + MR_MAX - 1) / MR_MAX, per_pass = (R + passes - 1) / passes;  // passes of even size
 #pragma omp parallel
   {
     const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
     const int64_t first = panels * me / threads, last = panels * (me + 1) / threads;
     for (int64_t c0 = first; c0 < last; c0 += chunk) {
       const int64_t c1 = c0 + chunk < last ? c0 + chunk : last;
-      for (int64_t m = 0; m < M; m += per_pass)
-        rows_by_panels<BITS, MR_MAX>((int)(M - m < per_pass ? M - m : per_pass), rows, m, data, scale, offset, c0, c1,
-                                     K, groups, out, N);
+      for (int64_t m = 0; m < R; m += per_pass)
+        rows_by_panels<BITS, MR_MAX>((int)(R - m < per_pass ? R - m : per_pass), rows, m, data, scale, offset, c0, c1,
+                                     K, groups, products, N);
     }
+    if (terms == 2)  // this thread's own columns: no barrier needed
+      for (int64_t m = 0; m < M; m++)
+        for (int64_t n = first * PANEL; n < last * PANEL; n += 8)
+          store(out + m * N + n, add(load(products + 2 * m * N + n), load(products + (2 * m + 1) * N + n)));
   }
 }
 
@@ -305,31 +345,33 @@ void product(const float* x, int64_t ldx, const uint8_t* data, const S* scale, c
 // x: [M, K] fp32 (row stride ldx), K a multiple of 32; data: uint8 codes in
 // the blocks format, [N / 8, K * bits] contiguous; scale, offset: [N / 8,
 // groups * 8] contiguous, fp32 (scale_bits 32) or fp16 (16), K / groups a
-// multiple of 32; out: [M, N] contiguous; N a multiple of 8
+// multiple of 32; out: [M, N] contiguous; N a multiple of 8; terms: 1
+// (int8_rows) or 2 (int8x2_rows)
 #ifdef KV_VNNI
 void kvexport_int8_linear_vnni(
 #else
 void kvexport_int8_linear_maddubs(
 #endif
     const float* x, int64_t ldx, const uint8_t* data, const void* scale, const void* offset, float* out, int64_t M,
-    int64_t N, int64_t K, int64_t groups, int64_t bits, int64_t scale_bits) {
+    int64_t N, int64_t K, int64_t groups, int64_t bits, int64_t scale_bits, int64_t terms) {
   const bool half = scale_bits == 16;
+  const int t = terms == 2 ? 2 : 1;
   if (bits == 4 && half)
-    product<4>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
+    product<4>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups, t);
   else if (bits == 4)
-    product<4>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
+    product<4>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups, t);
   else if (half)
-    product<8>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
+    product<8>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups, t);
   else
-    product<8>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
+    product<8>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups, t);
 }
 
 #ifndef KV_VNNI
 void kvexport_int8_linear(const float* x, int64_t ldx, const uint8_t* data, const void* scale, const void* offset,
                           float* out, int64_t M, int64_t N, int64_t K, int64_t groups, int64_t bits,
-                          int64_t scale_bits) {
+                          int64_t scale_bits, int64_t terms) {
   static const bool vnni = has_vnni();
   (vnni ? kvexport_int8_linear_vnni : kvexport_int8_linear_maddubs)(x, ldx, data, scale, offset, out, M, N, K, groups,
-                                                                   bits, scale_bits);
+                                                                   bits, scale_bits, terms);
 }
 #endif

@@ -7,7 +7,9 @@ int8 codes times a step per block of 32 (passes/packed_weights.py,
 int8_rows), the weight's codes in blocks dequantized, and a linear. This
 pass, run only where a method is compiled, recognizes exactly that
 arithmetic and replaces it with one kernel call, which rounds the rows the
-same way and multiplies the codes as integers. Anything that does not match
+same way and multiplies the codes as integers. Rows rounded with two terms
+(--qact int8x2: int8_rows(x) + int8_rows(x - int8_rows(x))) take the same
+kernel with terms=2. Anything that does not match
 the decomposition exactly is left as it is. The eager implementation of the
 op is the decomposition itself.
 """
@@ -20,20 +22,25 @@ import torch.fx
 from kvexport.partitioners.aoti.passes.packed_linear import _source, _stored, _val, dequantized
 from kvexport.partitioners.aoti.passes.rows_linear import emit_rows_product
 from kvexport.passes.base import RewritePass, arguments, static_rows
-from kvexport.passes.packed_weights import BLOCK, INV_127, PANEL_ROWS, SMALLEST_TOP, _dequantize_blocks, _int8_rows
+from kvexport.passes.packed_weights import (
+    BLOCK, INV_127, PANEL_ROWS, SMALLEST_TOP, _dequantize_blocks, _int8_rows, _int8x2_rows,
+)
 
 aten = torch.ops.aten
 
 
 @torch.library.custom_op("kvexport::int8_linear", mutates_args=())
-def int8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int) -> torch.Tensor:
-    """x [M, K] (rows contiguous), rounded to int8 per block of 32, times the
-    weight of codes in blocks, transposed: [M, N]."""
-    return torch.nn.functional.linear(_int8_rows(x), _dequantize_blocks(data, scale, offset, bits, x.dtype))
+def int8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
+                terms: int) -> torch.Tensor:
+    """x [M, K] (rows contiguous), rounded to int8 per block of 32 (terms 2:
+    plus its rounding error rounded alike), times the weight of codes in
+    blocks, transposed: [M, N]."""
+    rounded = _int8x2_rows(x) if terms == 2 else _int8_rows(x)
+    return torch.nn.functional.linear(rounded, _dequantize_blocks(data, scale, offset, bits, x.dtype))
 
 
 @int8_linear.register_fake
-def _(x, data, scale, offset, bits):
+def _(x, data, scale, offset, bits, terms):
     return x.new_empty(x.shape[0], data.shape[0] * PANEL_ROWS)
 
 
@@ -78,6 +85,22 @@ def int8_rows_of(node: object) -> torch.fx.Node | None:
     return x
 
 
+def rounded_rows_of(node: object) -> tuple[torch.fx.Node, int] | None:
+    """(x, terms) when `node` is exactly int8_rows(x) (terms 1) or
+    int8x2_rows(x), int8_rows(x) + int8_rows(x - int8_rows(x)) with the
+    first rounding computed once (terms 2); else None."""
+    x = int8_rows_of(node)
+    if x is not None:
+        return x, 1
+    if not _call(node, aten.add.Tensor, 2):
+        return None
+    first, second = node.args
+    x, error = int8_rows_of(first), int8_rows_of(second)
+    if x is None or not (_call(error, aten.sub.Tensor, 2) and error.args[0] is x and error.args[1] is first):
+        return None
+    return x, 2
+
+
 def _panel_order(node: object, dims: list[int], rank: int) -> torch.fx.Node | None:
     """What `node` permutes when it is exactly permute(t, dims) of a `rank`-d t."""
     if not (_call(node, aten.permute.default, 2) and list(node.args[1]) == dims):
@@ -119,14 +142,16 @@ def _block_table(node: object) -> torch.fx.Node | None:
     return table if tuple(_val(inner).shape[1:]) == (_val(table).shape[1] // PANEL_ROWS, PANEL_ROWS) else None
 
 
-def int8_product(linear: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, torch.fx.Node, int] | None:
-    """(x, data, scale, offset, bits) when `linear` multiplies int8_rows(x)
-    by a blocks-format weight's dequantization; else None."""
+def int8_product(linear: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, torch.fx.Node, int, int] | None:
+    """(x, data, scale, offset, bits, terms) when `linear` multiplies
+    int8_rows(x) or int8x2_rows(x) by a blocks-format weight's
+    dequantization; else None."""
     given = arguments(linear)
-    x = int8_rows_of(given["input"])
+    rounded = rounded_rows_of(given["input"])
     found = dequantized(given["weight"], _block_codes, _block_table)
-    if x is None or found is None:
+    if rounded is None or found is None:
         return None
+    x, terms = rounded
     (data, bits), scale, offset, product = found
     (panels, width), (scale_panels, columns), k = _val(data).shape, _val(scale).shape, _val(x).shape[-1]
     groups, n = columns // PANEL_ROWS, panels * PANEL_ROWS
@@ -135,7 +160,7 @@ def int8_product(linear: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, t
             and tuple(_val(offset).shape) == (panels, columns) and _val(offset).dtype == _val(scale).dtype
             and k % (BLOCK * groups) == 0 and tuple(_val(product).shape[-2:]) == (groups, k // groups)
             and w.dtype == torch.float32 and tuple(w.shape) == (n, k)):
-        return x, data, scale, offset, bits
+        return x, data, scale, offset, bits, terms
     return None
 
 
@@ -161,10 +186,10 @@ class Int8LinearPass(RewritePass):
             rows = static_rows(node.args[0])
             if rows in self.rows or (rows is None and self.dynamic_bits):
                 product = int8_product(node)
-                if product is not None and (rows is not None or product[-1] in self.dynamic_bits):
+                if product is not None and (rows is not None or product[4] in self.dynamic_bits):
                     found.append(node)
         return found
 
     def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
-        x, data, scale, offset, bits = int8_product(node)
-        return emit_rows_product(graph, node, INT8_LINEAR, data, scale, offset, bits, x=x)
+        x, data, scale, offset, bits, terms = int8_product(node)
+        return emit_rows_product(graph, node, INT8_LINEAR, data, scale, offset, bits, terms, x=x)
