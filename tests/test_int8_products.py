@@ -19,7 +19,9 @@ from helpers import export_tiny
 from kvexport.cli.main import main
 from kvexport.contract.errors import SpecError
 from kvexport.contract.op_allowlist import ALLOWED_OPS
-from kvexport.exporter.quantization.quantize import Int8Linear, PackedLinear, quantize_model, quantize_weight
+from kvexport.exporter.quantization.quantize import (
+    Int8Linear, PackedLinear, coverage_summary, quantize_model, quantize_weight,
+)
 from kvexport.partitioners.aoti.passes.int8_linear import INT8_LINEAR, Int8LinearPass, int8_product
 from kvexport.passes.base import run_passes
 from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
@@ -140,6 +142,15 @@ def test_qact_int8_rounds_the_activations_of_the_linears_that_can_take_it():
     rows = {r["module"]: r for r in quantize_model(odd_vocab, "4w", 0, "8w", qact="int8")}
     assert rows["head"]["activations"] == "float (shares the codes of embed, stored for lookups)"
     assert isinstance(odd_vocab.head, PackedLinear) and not odd_vocab.embed.blocks
+
+
+@pytest.mark.parametrize("qact", ["int8", "int8x2"])
+def test_the_coverage_summary_names_the_activations_each_linear_takes(qact):
+    model = Model(vocab=36).eval()  # the head tied to an embedding of 36 rows keeps float activations
+    lines = coverage_summary(quantize_model(model, "4w", 0, "8w", qact=qact))
+    assert f"{qact} activations on 2 of 3 quantized linears" in lines
+    assert "  head: activations float (shares the codes of embed, stored for lookups)" in lines
+    assert isinstance(model.up, Int8Linear) and model.up.qact == qact
 
 
 @pytest.mark.parametrize("flags,message", [

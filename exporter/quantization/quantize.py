@@ -420,8 +420,8 @@ def coverage_summary(rows: list[dict[str, Any]]) -> list[str]:
         done = [r for r in of_kind if r["scheme"]]
         if not of_kind:
             continue
-        schemes = sorted({f"{r['scheme']}" + (f" from {r['source']}" if r.get("source") else "") for r in done})
-        lines.append(f"quantized {len(done)} of {len(of_kind)} {kind}s" + (f" ({', '.join(schemes)})" if schemes else ""))
+        used = sorted({f"{r['scheme']}" + (f" from {r['source']}" if r.get("source") else "") for r in done})
+        lines.append(f"quantized {len(done)} of {len(of_kind)} {kind}s" + (f" ({', '.join(used)})" if used else ""))
         for r in of_kind:
             if r["skipped"] and not r["skipped"].startswith("no --q"):
                 lines.append(f"  skipped {r['module']}: {r['skipped']}")
