@@ -504,10 +504,11 @@ def test_int8_linear(isa, shims, bits, rows, out_features, width, groups, row_st
         assert_float_sum(build.int8_linear(x, data, scale, offset, bits, isa=isa, products=products), rounded, weight)
 
 
-# two terms: one row and a pass's worth (2 M rows of codes: 8 sessions are 16, two passes), prefill-sized, strided
+# two terms: one row and a pass's worth (2 M rows of codes: 8 sessions are 16, two passes; 5 rows, passes of 6
+# and 4 code rows), prefill-sized, strided
 INT8X2_CASES = [(b, r, n, k, gr, s, h) for b in (4, 8) for r, n, k, gr, s, h in (
-    (1, 64, 64, 2, 0, False), (3, 136, 96, 1, 0, True), (8, 40, 576, 18, 0, True), (9, 576, 4096, 128, 0, True),
-    (40, 64, 64, 2, 70, False))]
+    (1, 64, 64, 2, 0, False), (3, 136, 96, 1, 0, True), (5, 24, 224, 7, 0, True), (8, 40, 576, 18, 0, True),
+    (9, 576, 4096, 128, 0, True), (40, 64, 64, 2, 70, False))]
 
 
 @pytest.mark.parametrize("bits,rows,out_features,width,groups,row_stride,half", INT8X2_CASES)

@@ -12,9 +12,10 @@
 // passes/packed_weights.py's int8_rows, so a package's eager reference
 // computes the same codes. With two terms (--qact int8x2, int8x2_rows), xq
 // is that plus the rounding error x - xq rounded the same way: each row
-// becomes two rows of int8 codes, multiplied as any others, and their two
-// results are summed (about 15 bits of each activation for twice the
-// integer products; the weight is still read once). Each block's product is an integer dot product,
+// becomes two rows of int8 codes, multiplied as any others in the same pass,
+// and their two results are summed in registers before the one store (about
+// 15 bits of each activation for twice the integer products; the weight is
+// still read once). Each block's product is an integer dot product,
 // 32 code pairs summed exactly in int32 (maddubs then madd on AVX2), then
 // scaled once by the block's step times the group's scale; the offsets
 // multiply each row's sum of xq over a group, computed once a call.
@@ -199,8 +200,10 @@ inline vec fma_offsets(const S* offset, const S* scale, const float* sums, int64
 // ---- the row tiling: a panel's 8 weight rows across the lanes
 
 // rows m0..m0+MR by panels p0..p0+P (weight rows 8 p0 ..), into out; a weight
-// with one group a row (ONE_GROUP) is scaled once at the end
-template <int BITS, int MR, int P, bool ONE_GROUP, typename S>
+// with one group a row (ONE_GROUP) is scaled once at the end. With two terms
+// (TERMS 2: m0 and MR even), code rows 2m and 2m + 1 are x's row m's two
+// terms: their results are summed in registers and stored once, to row m
+template <int BITS, int MR, int P, bool ONE_GROUP, int TERMS, typename S>
 inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset, int64_t p0,
                        int64_t K, int64_t groups, float* out, int64_t N) {
   constexpr int64_t BLOCK_BYTES = PANEL * BLOCK * BITS / 8;  // a panel's codes of one block
@@ -282,20 +285,27 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
   for (int t = 0; t < P; t++) {
     const S* panel_scales = scales + t * table;
     const S* panel_offsets = offset + (p0 + t) * table;
+    vec first_term;
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) {
       const vec scaled = ONE_GROUP ? mul(acc[i][t], load8(panel_scales)) : acc[i][t];
-      store(out + (m0 + i) * N + (p0 + t) * PANEL, fma_offsets<BITS>(panel_offsets, panel_scales, sums + i * groups, groups, scaled));
+      const vec result = fma_offsets<BITS>(panel_offsets, panel_scales, sums + i * groups, groups, scaled);
+      if (TERMS == 2 && i % 2 == 0) {
+        first_term = result;
+        continue;
+      }
+      store(out + (m0 + i) / TERMS * N + (p0 + t) * PANEL, TERMS == 2 ? add(first_term, result) : result);
     }
   }
 }
 
-// rows m0..m0+MR (MR = rows, up to MR_MAX) by panels p0..p1, P at a time
-template <int BITS, int MR, typename S>
+// rows m0..m0+MR (MR = rows, up to MR_MAX; TERMS 2: both even) by panels p0..p1, P at a time
+template <int BITS, int MR, int TERMS, typename S>
 void rows_by_panels(int rows, const Rows& r, int64_t m0, const uint8_t* data, const S* scale, const S* offset,
                     int64_t p0, int64_t p1, int64_t K, int64_t groups, float* out, int64_t N) {
-  if constexpr (MR > 1) {
-    if (rows < MR) return rows_by_panels<BITS, MR - 1>(rows, r, m0, data, scale, offset, p0, p1, K, groups, out, N);
+  if constexpr (MR > TERMS) {
+    if (rows < MR)
+      return rows_by_panels<BITS, MR - TERMS, TERMS>(rows, r, m0, data, scale, offset, p0, p1, K, groups, out, N);
   }
   // one row takes one panel at a time: a single stream through memory. Taking 4 (2 on AVX2) shared the
   // row's broadcasts but ran every linear of a SmolLM2 step from memory 2-8% slower at best in five of six
@@ -304,25 +314,25 @@ void rows_by_panels(int rows, const Rows& r, int64_t m0, const uint8_t* data, co
   const bool one_group = BITS == 8 && groups == 1;  // 8w's scale per row
   int64_t p = p0;
   for (; p + P <= p1; p += P)
-    one_group ? panel_rows<BITS, MR, P, true>(r, m0, data, scale, offset, p, K, groups, out, N)
-              : panel_rows<BITS, MR, P, false>(r, m0, data, scale, offset, p, K, groups, out, N);
+    one_group ? panel_rows<BITS, MR, P, true, TERMS>(r, m0, data, scale, offset, p, K, groups, out, N)
+              : panel_rows<BITS, MR, P, false, TERMS>(r, m0, data, scale, offset, p, K, groups, out, N);
   for (; p < p1; p++)
-    one_group ? panel_rows<BITS, MR, 1, true>(r, m0, data, scale, offset, p, K, groups, out, N)
-              : panel_rows<BITS, MR, 1, false>(r, m0, data, scale, offset, p, K, groups, out, N);
+    one_group ? panel_rows<BITS, MR, 1, true, TERMS>(r, m0, data, scale, offset, p, K, groups, out, N)
+              : panel_rows<BITS, MR, 1, false, TERMS>(r, m0, data, scale, offset, p, K, groups, out, N);
 }
 
 // ---- the entry
 
-template <int BITS, typename S>
+template <int BITS, int TERMS, typename S>
 void product(const float* x, int64_t ldx, const uint8_t* data, const S* scale, const S* offset, float* out,
-             int64_t M, int64_t N, int64_t K, int64_t groups, int terms) {
-  const Rows rows = quantize(x, ldx, M, K, groups, terms);
-  const int64_t R = M * terms;  // rows of codes
-  std::vector<float> by_term(terms == 2 ? R * N : 0);  // two terms: each code row's products, summed in pairs below
-  float* products = terms == 2 ? by_term.data() : out;
+             int64_t M, int64_t N, int64_t K, int64_t groups) {
+  static_assert(MR_MAX % 2 == 0, "a pass takes a row's two terms together");
+  const Rows rows = quantize(x, ldx, M, K, groups, TERMS);
+  const int64_t R = M * TERMS;  // rows of codes
   const int64_t panels = N / PANEL, panel_bytes = K * BITS;
   const int64_t chunk = R <= MR_MAX ? panels : (CHUNK_BYTES / panel_bytes > 0 ? CHUNK_BYTES / panel_bytes : 1);
-  const int64_t passes = (R + MR_MAX - 1) / MR_MAX, per_pass = (R + passes - 1) / passes;  // passes of even size
+  // passes of even size (two terms: whole rows of x, both terms in one pass)
+  const int64_t passes = (R + MR_MAX - 1) / MR_MAX, per_pass = (M + passes - 1) / passes * TERMS;
 #pragma omp parallel
   {
     const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
@@ -330,13 +340,9 @@ void product(const float* x, int64_t ldx, const uint8_t* data, const S* scale, c
     for (int64_t c0 = first; c0 < last; c0 += chunk) {
       const int64_t c1 = c0 + chunk < last ? c0 + chunk : last;
       for (int64_t m = 0; m < R; m += per_pass)
-        rows_by_panels<BITS, MR_MAX>((int)(R - m < per_pass ? R - m : per_pass), rows, m, data, scale, offset, c0, c1,
-                                     K, groups, products, N);
+        rows_by_panels<BITS, MR_MAX, TERMS>((int)(R - m < per_pass ? R - m : per_pass), rows, m, data, scale, offset,
+                                            c0, c1, K, groups, out, N);
     }
-    if (terms == 2)  // this thread's own columns: no barrier needed
-      for (int64_t m = 0; m < M; m++)
-        for (int64_t n = first * PANEL; n < last * PANEL; n += 8)
-          store(out + m * N + n, add(load(products + 2 * m * N + n), load(products + (2 * m + 1) * N + n)));
   }
 }
 
@@ -355,15 +361,23 @@ void kvexport_int8_linear_maddubs(
     const float* x, int64_t ldx, const uint8_t* data, const void* scale, const void* offset, float* out, int64_t M,
     int64_t N, int64_t K, int64_t groups, int64_t bits, int64_t scale_bits, int64_t terms) {
   const bool half = scale_bits == 16;
-  const int t = terms == 2 ? 2 : 1;
-  if (bits == 4 && half)
-    product<4>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups, t);
+  if (terms == 2) {
+    if (bits == 4 && half)
+      product<4, 2>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
+    else if (bits == 4)
+      product<4, 2>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
+    else if (half)
+      product<8, 2>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
+    else
+      product<8, 2>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
+  } else if (bits == 4 && half)
+    product<4, 1>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
   else if (bits == 4)
-    product<4>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups, t);
+    product<4, 1>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
   else if (half)
-    product<8>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups, t);
+    product<8, 1>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
   else
-    product<8>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups, t);
+    product<8, 1>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
 }
 
 #ifndef KV_VNNI
