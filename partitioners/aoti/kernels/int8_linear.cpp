@@ -346,6 +346,20 @@ void product(const float* x, int64_t ldx, const uint8_t* data, const S* scale, c
   }
 }
 
+// the product for the codes' width and the tables' type
+template <int TERMS>
+void by_format(const float* x, int64_t ldx, const uint8_t* data, const void* scale, const void* offset, float* out,
+               int64_t M, int64_t N, int64_t K, int64_t groups, int64_t bits, bool half) {
+  if (bits == 4 && half)
+    product<4, TERMS>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
+  else if (bits == 4)
+    product<4, TERMS>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
+  else if (half)
+    product<8, TERMS>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
+  else
+    product<8, TERMS>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
+}
+
 }  // namespace
 
 // x: [M, K] fp32 (row stride ldx), K a multiple of 32; data: uint8 codes in
@@ -360,24 +374,7 @@ void kvexport_int8_linear_maddubs(
 #endif
     const float* x, int64_t ldx, const uint8_t* data, const void* scale, const void* offset, float* out, int64_t M,
     int64_t N, int64_t K, int64_t groups, int64_t bits, int64_t scale_bits, int64_t terms) {
-  const bool half = scale_bits == 16;
-  if (terms == 2) {
-    if (bits == 4 && half)
-      product<4, 2>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
-    else if (bits == 4)
-      product<4, 2>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
-    else if (half)
-      product<8, 2>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
-    else
-      product<8, 2>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
-  } else if (bits == 4 && half)
-    product<4, 1>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
-  else if (bits == 4)
-    product<4, 1>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
-  else if (half)
-    product<8, 1>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
-  else
-    product<8, 1>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
+  (terms == 2 ? by_format<2> : by_format<1>)(x, ldx, data, scale, offset, out, M, N, K, groups, bits, scale_bits == 16);
 }
 
 #ifndef KV_VNNI
