@@ -160,9 +160,9 @@ def render(info: dict[str, Any]) -> str:
                      f"qembedding {quant.get('qembedding')}: {done} of {len(rows)} linears and embeddings quantized")
         int8 = [r for r in rows if isinstance(r.get("activations"), str)]
         if int8:
-            taking = [r["activations"] for r in int8 if r["activations"] in schemes.ROUNDED]
-            named = "/".join(sorted(set(taking))) or "int8"
-            lines.append(f"  {named} activations on {len(taking)} of {len(int8)} quantized linears (--qact {named})")
+            taking = sum(1 for r in int8 if r["activations"] in schemes.ROUNDED)
+            named = schemes.rounding_named([r["activations"] for r in int8])
+            lines.append(f"  {named} activations on {taking} of {len(int8)} quantized linears (--qact {named})")
         for r in rows:
             if not r.get("scheme"):
                 lines.append(f"  skipped {r.get('module')}: {r.get('skipped')}")

@@ -62,6 +62,12 @@ def help_text(kind: str) -> str:
     return "; ".join(f"{name}: {BY_NAME[name].help}" for name in names)
 
 
+def rounding_named(activations: list[str]) -> str:
+    """The --qact values among coverage rows' `activations`, joined by "/"
+    when several ("int8" when none)."""
+    return "/".join(sorted(set(activations) & set(ROUNDED))) or "int8"
+
+
 def int8_activations(row: Scheme | None) -> bool:
     """Whether a scheme's linears can take int8 activations (--qact int8)."""
     return row is not None and row.linears and row.storage in ("packed", "gguf")

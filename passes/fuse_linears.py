@@ -104,12 +104,12 @@ def fuse_sibling_int8_products(program: torch.export.ExportedProgram, fused: Fus
     """Rewrites every group of two or more products with int8 activations
     over one input (exporter/quantization's Int8Linear:
     linear(int8_rows(x), dequantize_blocks(data, scale, offset, bits, dtype)),
-    or the same with int8x2_rows(x), never the two mixed), whose codes have one width, group and code size, whose scales one dtype,
-    and whose biases are all parameters or all absent: their codes, scales
-    and offsets stacked along the rows (codes in blocks are panel by panel of
-    8 rows, so the stacked codes are the parts' bytes one after the other,
-    and each row's product is its part's),
-    x rounded once, one product, sliced back. Returns the number of groups
+    or the same with int8x2_rows(x), never the two mixed), whose codes have
+    one width, group and code size, whose scales one dtype, and whose biases
+    are all parameters or all absent: their codes, scales and offsets stacked
+    along the rows (codes in blocks are panel by panel of 8 rows, so the
+    stacked codes are the parts' bytes one after the other, and each row's
+    product is its part's), x rounded once, one product, sliced back. Returns the number of groups
     fused."""
     graph = program.graph_module.graph
     signature = program.graph_signature
@@ -128,7 +128,8 @@ def fuse_sibling_int8_products(program: torch.export.ExportedProgram, fused: Fus
                 bias is not None and not _parameter(bias, signature.inputs_to_parameters)):
             continue
         shapes = tuple(tuple(t.meta["val"].shape[1:]) for t in (data, scale, offset))
-        key = (rounded.target, rounded.args[0], bits, dtype, shapes, scale.meta["val"].dtype, None if bias is None else bias.meta["val"].dtype)
+        key = (rounded.target, rounded.args[0], bits, dtype, shapes, scale.meta["val"].dtype,
+               None if bias is None else bias.meta["val"].dtype)
         groups.setdefault(key, []).append(node)
     count = 0
     replaced: set[torch.fx.Node] = set()

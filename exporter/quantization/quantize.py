@@ -429,8 +429,8 @@ def coverage_summary(rows: list[dict[str, Any]]) -> list[str]:
                 lines.append(f"  {r['module']} shares the codes of {r['shared_with']} (tied)")
         asked = [r for r in done if "activations" in r]
         if asked:
-            rounded = [r for r in asked if r["activations"] in schemes.ROUNDED]
-            named = "/".join(sorted({r["activations"] for r in rounded})) or "int8"
-            lines.append(f"{named} activations on {len(rounded)} of {len(asked)} quantized {kind}s")
-            lines += [f"  {r['module']}: activations {r['activations']}" for r in asked if r not in rounded]
+            floats = [r for r in asked if r["activations"] not in schemes.ROUNDED]
+            named = schemes.rounding_named([r["activations"] for r in asked])
+            lines.append(f"{named} activations on {len(asked) - len(floats)} of {len(asked)} quantized {kind}s")
+            lines += [f"  {r['module']}: activations {r['activations']}" for r in floats]
     return lines

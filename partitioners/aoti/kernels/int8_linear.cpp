@@ -48,7 +48,6 @@
 #include <omp.h>
 
 #include <cstring>
-#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -82,8 +81,10 @@ struct Rows {
 };
 
 // block b of row p (32 floats at p): its codes as 32 bytes in K order, its
-// step, and the sum of its codes (exact)
-inline ivec block_codes(const float* p, float& step, int32_t& sum) {
+// step, and the sum of its codes (exact); with `error`, also the rounding
+// error p - q * step there, as int8x2_rows computes it (an fp32 multiply,
+// then a subtraction)
+inline ivec block_codes(const float* p, float& step, int32_t& sum, float* error = nullptr) {
   const vec sign = broadcast(-0.0f);
   const ivec order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   const vec v[4] = {load(p), load(p + 8), load(p + 16), load(p + 24)};
@@ -97,6 +98,14 @@ inline ivec block_codes(const float* p, float& step, int32_t& sum) {
   ivec q[4];
   for (int i = 0; i < 4; i++)
     q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(v[i], s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  if (error)
+    for (int i = 0; i < 4; i++) {
+      vec back = mul(_mm256_cvtepi32_ps(q[i]), s);
+      // rounded here, as torch rounds it: without the barrier the compiler fuses the multiply and the
+      // subtraction into one FMA, a different error, and a block's second codes differ from the definition's
+      asm("" : "+x"(back));
+      store(error + 8 * i, _mm256_sub_ps(v[i], back));
+    }
   const ivec pairs = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
   __m128i t = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
@@ -106,44 +115,24 @@ inline ivec block_codes(const float* p, float& step, int32_t& sum) {
                                      order);
 }
 
-// x - q * step for a block's 32 floats at p and their codes q (32 bytes in K
-// order): the rounding error, as int8x2_rows computes it (fp32 multiply, then subtract)
-inline void rounding_error(const float* p, ivec q, float step, float* error) {
-  alignas(32) int8_t codes[BLOCK];
-  _mm256_store_si256((ivec*)codes, q);
-  const vec s = broadcast(step);
-  for (int i = 0; i < 4; i++) {
-    vec back = mul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(codes + 8 * i)))), s);
-    // rounded here, as torch rounds it: without the barrier the compiler fuses the multiply and the
-    // subtraction into one FMA, a different error, and a block's second codes differ from the definition's
-    asm("" : "+x"(back));
-    store(error + 8 * i, _mm256_sub_ps(load(p + 8 * i), back));
-  }
-}
-
 // x's M rows as int8 codes; with two terms, 2 M rows: row 2m holds row m's
 // codes, row 2m + 1 those of its rounding error
 Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups, int terms) {
   const int64_t blocks = K / BLOCK, per_group = blocks / groups, R = M * terms;
   Rows r{std::vector<int8_t>(R * K), std::vector<float>(R * blocks), std::vector<float>(R * groups, 0.0f)};
-  const auto put = [&](int64_t row, int64_t b, const float* p) {
+  // code row `row`'s block b from the 32 floats at p (and their rounding error into `error`, if given)
+  const auto put = [&](int64_t row, int64_t b, const float* p, float* error) {
     float step;
     int32_t sum;
-    const ivec q = block_codes(p, step, sum);
-    _mm256_storeu_si256((ivec*)(r.codes.data() + row * K + b * BLOCK), q);
+    _mm256_storeu_si256((ivec*)(r.codes.data() + row * K + b * BLOCK), block_codes(p, step, sum, error));
     r.steps[row * blocks + b] = step;
     r.sums[row * groups + b / per_group] += step * (float)sum;
-    return std::make_pair(q, step);
   };
   const auto row = [&](int64_t m) {
+    alignas(32) float error[BLOCK];
     for (int64_t b = 0; b < blocks; b++) {
-      const float* p = x + m * ldx + b * BLOCK;
-      const auto [q, step] = put(m * terms, b, p);
-      if (terms == 2) {
-        alignas(32) float error[BLOCK];
-        rounding_error(p, q, step, error);
-        put(m * terms + 1, b, error);
-      }
+      put(m * terms, b, x + m * ldx + b * BLOCK, terms == 2 ? error : nullptr);
+      if (terms == 2) put(m * terms + 1, b, error, nullptr);
     }
   };
   if (M >= 32) {
