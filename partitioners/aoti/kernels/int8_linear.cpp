@@ -34,7 +34,8 @@
 // in L2 while every pass of rows reads them. (Before this layout, a vector
 // held one weight row's codes along K, and every block took a convert, a
 // scale and an FMA per weight row: the arithmetic took twice as long in
-// cache at one row, bench/packed_kernel.py.)
+// cache at one row, bench/packed_kernel.py.) The VNNI build on AVX-512 puts
+// two panels in one 512-bit vector over 2 rows or more (the pair tiling).
 //
 // This file compiles twice (build.py). Built plain, the products are
 // maddubs then madd (AVX2): 8-bit codes, unsigned, are flipped to code - 128
@@ -173,20 +174,89 @@ inline ivec dot_quad8(ivec acc, ivec w, ivec x) {
 #endif
 }
 
-// acc plus the offset terms of a panel's 8 weight rows (their offsets, and
-// SHIFT_8BIT times their scales for 8 bits) by a row's sums of xq per group
-template <int BITS, typename S>
-inline vec fma_offsets(const S* offset, const S* scale, const float* sums, int64_t groups, vec acc) {
+// acc[i] plus the offset terms of a panel's 8 weight rows (their offsets,
+// and SHIFT_8BIT times their scales for 8 bits) by row i's sums of xq per
+// group (`groups` apart), for MR rows at once: each group's offsets are
+// loaded once, and the rows' sums are MR independent chains of FMAs (one
+// row at a time was a chain of `groups` dependent FMAs, which took as long as
+// the products themselves over 8 rows of 4-bit codes in groups of 32)
+template <int BITS, int MR, typename S>
+inline void fma_offsets(const S* offset, const S* scale, const float* sums, int64_t groups, vec (&acc)[MR]) {
   constexpr bool shifted = BITS == 8 && SHIFT_8BIT != 0.0f;
   for (int64_t g = 0; g < groups; g++) {
     const vec o = shifted ? fma(broadcast(SHIFT_8BIT), load8(scale + g * PANEL), load8(offset + g * PANEL))
                           : load8(offset + g * PANEL);
-    acc = fma(o, broadcast(sums[g]), acc);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) acc[i] = fma(o, broadcast(sums[i * groups + g]), acc[i]);
   }
-  return acc;
+}
+
+// stores a panel's results of rows m0..m0+MR (TERMS 2: code rows 2m and 2m + 1 summed, into row m)
+template <int MR, int TERMS>
+inline void store_rows(const vec (&result)[MR], int64_t m0, float* out, int64_t N, int64_t column) {
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; i += TERMS)
+    store(out + (m0 + i) / TERMS * N + column, TERMS == 2 ? add(result[i], result[i + 1]) : result[i]);
 }
 
 // ---- the row tiling: a panel's 8 weight rows across the lanes
+
+// where panels p0.. and code rows m0.. find their operands (x's codes, steps
+// and sums; the panels' codes, scales and offsets), for either tiling below
+template <int BITS, typename S>
+struct Operands {
+  static constexpr int64_t BLOCK_BYTES = PANEL * BLOCK * BITS / 8;  // a panel's codes of one block
+  int64_t K, blocks, groups, per_group, panel_bytes, table;          // table: a panel's scales (or offsets)
+  const uint8_t* codes;
+  const S *scales, *offsets;
+  const int8_t* x_codes;
+  const float *steps, *sums;
+
+  Operands(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset, int64_t p0, int64_t K,
+           int64_t groups)
+      : K(K), blocks(K / BLOCK), groups(groups), per_group(K / BLOCK / groups), panel_bytes(K / BLOCK * BLOCK_BYTES),
+        table(groups * PANEL), codes(data + p0 * panel_bytes), scales(scale + p0 * table),
+        offsets(offset + p0 * table), x_codes(rows.codes.data() + m0 * K), steps(rows.steps.data() + m0 * blocks),
+        sums(rows.sums.data() + m0 * groups) {}
+
+  // panel t's codes of block b, and its 8 scales or offsets of group g
+  const uint8_t* block(int64_t b, int t) const { return codes + t * panel_bytes + b * BLOCK_BYTES; }
+  const S* scale8(int t, int64_t g) const { return scales + t * table + g * PANEL; }
+  const S* offset8(int t, int64_t g) const { return offsets + t * table + g * PANEL; }
+  // 4 codes of code row i at k, as one int32 (the broadcast of a quad)
+  int32_t four(int i, int64_t k) const {
+    int32_t four;
+    std::memcpy(&four, x_codes + i * K + k, 4);
+    return four;
+  }
+  float step(int i, int64_t b) const { return steps[i * blocks + b]; }
+
+  // fetches into L2, PREFETCH_PANELS panels ahead of P panels, their codes of
+  // block b and, at the first block of a cache line of groups, their tables
+  template <int P>
+  void fetch_ahead(int64_t b) const {
+    const int64_t line = 64 / (PANEL * (int64_t)sizeof(S));  // groups a cache line of a table holds
+#pragma GCC unroll 4
+    for (int t = PREFETCH_PANELS; t < PREFETCH_PANELS + P; t++)
+      for (int64_t at = 0; at < BLOCK_BYTES; at += 64) prefetch_l2(block(b, t) + at);
+    const int64_t g = b / per_group;
+    if (b % per_group == 0 && g % line == 0)
+#pragma GCC unroll 4
+      for (int t = PREFETCH_PANELS; t < PREFETCH_PANELS + P; t++) {
+        prefetch_l2(scale8(t, g));
+        prefetch_l2(offset8(t, g));
+      }
+  }
+
+  // each row's result for panel t: acc (its weight's scale per row, if ONE_GROUP, applied here) plus the offset terms
+  template <int MR, bool ONE_GROUP>
+  void finish(int t, vec (&result)[MR]) const {
+    if constexpr (ONE_GROUP)
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; i++) result[i] = mul(result[i], load8(scale8(t, 0)));
+    fma_offsets<BITS>(offset8(t, 0), scale8(t, 0), sums, groups, result);
+  }
+};
 
 // rows m0..m0+MR by panels p0..p0+P (weight rows 8 p0 ..), into out; a weight
 // with one group a row (ONE_GROUP) is scaled once at the end. With two terms
@@ -195,29 +265,11 @@ inline vec fma_offsets(const S* offset, const S* scale, const float* sums, int64
 template <int BITS, int MR, int P, bool ONE_GROUP, int TERMS, typename S>
 inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset, int64_t p0,
                        int64_t K, int64_t groups, float* out, int64_t N) {
-  constexpr int64_t BLOCK_BYTES = PANEL * BLOCK * BITS / 8;  // a panel's codes of one block
-  const int64_t blocks = K / BLOCK, per_group = blocks / groups, panel_bytes = blocks * BLOCK_BYTES;
-  const int64_t table = groups * PANEL;  // a panel's scales (or offsets)
-  const int64_t line = 64 / (PANEL * (int64_t)sizeof(S));  // groups a cache line of a table holds
-  const uint8_t* panels = data + p0 * panel_bytes;
-  const S* scales = scale + p0 * table;
-  const int8_t* x_codes = rows.codes.data() + m0 * K;
-  const float* steps = rows.steps.data() + m0 * blocks;
-  const float* sums = rows.sums.data() + m0 * groups;
+  const Operands<BITS, S> op(rows, m0, data, scale, offset, p0, K, groups);
   vec acc[MR][P];
   clear(acc);
-  for (int64_t b = 0; b < blocks; b++) {
-    const uint8_t* codes = panels + b * BLOCK_BYTES;
-#pragma GCC unroll 4
-    for (int t = 0; t < P; t++)
-      for (int64_t at = 0; at < BLOCK_BYTES; at += 64) prefetch_l2(codes + (t + PREFETCH_PANELS) * panel_bytes + at);
-    const int64_t g = b / per_group;
-    if (b % per_group == 0 && g % line == 0)
-#pragma GCC unroll 4
-      for (int t = 0; t < P; t++) {
-        prefetch_l2(scales + (t + PREFETCH_PANELS) * table + g * PANEL);
-        prefetch_l2(offset + (p0 + t + PREFETCH_PANELS) * table + g * PANEL);
-      }
+  for (int64_t b = 0; b < op.blocks; b++) {
+    op.template fetch_ahead<P>(b);
     ivec dots[MR][P];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
@@ -229,17 +281,12 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
       ivec x[MR], xh[MR];
 #pragma GCC unroll 8
       for (int i = 0; i < MR; i++) {
-        int32_t four;
-        std::memcpy(&four, x_codes + i * K + b * BLOCK + 4 * q, 4);
-        x[i] = _mm256_set1_epi32(four);
-        if constexpr (BITS == 4) {
-          std::memcpy(&four, x_codes + i * K + b * BLOCK + 16 + 4 * q, 4);
-          xh[i] = _mm256_set1_epi32(four);
-        }
+        x[i] = _mm256_set1_epi32(op.four(i, b * BLOCK + 4 * q));
+        if constexpr (BITS == 4) xh[i] = _mm256_set1_epi32(op.four(i, b * BLOCK + 16 + 4 * q));
       }
 #pragma GCC unroll 4
       for (int t = 0; t < P; t++) {
-        const ivec w = _mm256_loadu_si256((const ivec*)(codes + t * panel_bytes + q * 32));
+        const ivec w = _mm256_loadu_si256((const ivec*)(op.block(b, t) + q * 32));
         if constexpr (BITS == 4) {
           ivec low, high;
           nibbles(w, low, high);
@@ -262,31 +309,104 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
     }
 #pragma GCC unroll 4
     for (int t = 0; t < P; t++) {
-      const vec s = ONE_GROUP ? zero() : load8(scales + t * table + g * PANEL);
+      const vec s = ONE_GROUP ? zero() : load8(op.scale8(t, b / op.per_group));
 #pragma GCC unroll 8
       for (int i = 0; i < MR; i++) {
-        const vec step = broadcast(steps[i * blocks + b]);
+        const vec step = broadcast(op.step(i, b));
         acc[i][t] = fma(_mm256_cvtepi32_ps(dots[i][t]), ONE_GROUP ? step : mul(step, s), acc[i][t]);
       }
     }
   }
 #pragma GCC unroll 4
   for (int t = 0; t < P; t++) {
-    const S* panel_scales = scales + t * table;
-    const S* panel_offsets = offset + (p0 + t) * table;
-    vec first_term;
+    vec result[MR];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) {
-      const vec scaled = ONE_GROUP ? mul(acc[i][t], load8(panel_scales)) : acc[i][t];
-      const vec result = fma_offsets<BITS>(panel_offsets, panel_scales, sums + i * groups, groups, scaled);
-      if (TERMS == 2 && i % 2 == 0) {
-        first_term = result;
-        continue;
-      }
-      store(out + (m0 + i) / TERMS * N + (p0 + t) * PANEL, TERMS == 2 ? add(first_term, result) : result);
-    }
+    for (int i = 0; i < MR; i++) result[i] = acc[i][t];
+    op.template finish<MR, ONE_GROUP>(t, result);
+    store_rows<MR, TERMS>(result, m0, out, N, (p0 + t) * PANEL);
   }
 }
+
+// ---- the pair tiling (the VNNI build on AVX-512): two panels' 16 weight rows across the lanes of 512-bit vectors
+//
+// One broadcast of a row's 4 codes, one unpacking of the codes and one
+// convert, scale and FMA a block serve 16 weight rows instead of 8. Over 2-16
+// rows it ran 1.06-1.14 x faster than panel_rows on Zen 4 (bench/packed_kernel.py
+// shapes in a scratch A/B), which splits a 512-bit vpdpbusd in two: the
+// products take as long either way, and everything around them half as many
+// instructions. One row keeps panel_rows (a single stream through memory).
+#if defined(KV_VNNI) && defined(__AVX512BW__)
+constexpr bool PAIRS = true;
+typedef __m512i wivec;
+typedef __m512 wvec;
+// two panels' 32 bytes at a and b as one vector (a's in the low half)
+inline wivec pair_codes(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const ivec*)a)), _mm256_loadu_si256((const ivec*)b), 1);
+}
+// two panels' 8 scales at a and b as floats
+inline wvec pair8(const float* a, const float* b) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(load(a))), _mm256_castps_pd(load(b)), 1));
+}
+inline wvec pair8(const uint16_t* a, const uint16_t* b) {
+  const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)a)),
+                                            _mm_loadu_si128((const __m128i*)b), 1);
+  return _mm512_cvtph_ps(h);
+}
+inline vec low_half(wvec a) { return _mm512_castps512_ps256(a); }
+inline vec high_half(wvec a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
+
+// panel_rows' arithmetic over panels p0 and p0 + 1 at once, the same in every lane
+template <int BITS, int MR, bool ONE_GROUP, int TERMS, typename S>
+inline void panel_pair_rows(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset,
+                            int64_t p0, int64_t K, int64_t groups, float* out, int64_t N) {
+  const Operands<BITS, S> op(rows, m0, data, scale, offset, p0, K, groups);
+  wvec acc[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+  const wivec mask = _mm512_set1_epi8(15);
+  for (int64_t b = 0; b < op.blocks; b++) {
+    op.template fetch_ahead<2>(b);
+    wivec dots[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) dots[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int q = 0; q < BITS; q++) {
+      const wivec w = pair_codes(op.block(b, 0) + q * 32, op.block(b, 1) + q * 32);
+      if constexpr (BITS == 4) {
+        const wivec low = _mm512_and_si512(w, mask), high = _mm512_and_si512(_mm512_srli_epi16(w, 4), mask);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+          const wivec x = _mm512_set1_epi32(op.four(i, b * BLOCK + 4 * q));
+          const wivec x_high = _mm512_set1_epi32(op.four(i, b * BLOCK + 16 + 4 * q));
+          dots[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dots[i], low, x), high, x_high);
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) dots[i] = _mm512_dpbusd_epi32(dots[i], w, _mm512_set1_epi32(op.four(i, b * BLOCK + 4 * q)));
+      }
+    }
+    const int64_t g = b / op.per_group;
+    const wvec s = ONE_GROUP ? _mm512_setzero_ps() : pair8(op.scale8(0, g), op.scale8(1, g));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) {
+      const wvec step = _mm512_set1_ps(op.step(i, b));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[i]), ONE_GROUP ? step : _mm512_mul_ps(step, s), acc[i]);
+    }
+  }
+  for (int t = 0; t < 2; t++) {
+    vec result[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) result[i] = t ? high_half(acc[i]) : low_half(acc[i]);
+    op.template finish<MR, ONE_GROUP>(t, result);
+    store_rows<MR, TERMS>(result, m0, out, N, (p0 + t) * PANEL);
+  }
+}
+#else
+constexpr bool PAIRS = false;
+template <int BITS, int MR, bool ONE_GROUP, int TERMS, typename S>
+inline void panel_pair_rows(const Rows&, int64_t, const uint8_t*, const S*, const S*, int64_t, int64_t, int64_t, float*,
+                            int64_t) {}
+#endif
 
 // rows m0..m0+MR (MR = rows, up to MR_MAX; TERMS 2: both even) by panels p0..p1, P at a time
 template <int BITS, int MR, int TERMS, typename S>
@@ -302,6 +422,11 @@ void rows_by_panels(int rows, const Rows& r, int64_t m0, const uint8_t* data, co
   constexpr int P = REGISTERS == 32 ? (MR == 1 ? 1 : MR == 2 ? 2 : 1) : 1;
   const bool one_group = BITS == 8 && groups == 1;  // 8w's scale per row
   int64_t p = p0;
+  if constexpr (PAIRS && MR > 1) {
+    for (; p + 2 <= p1; p += 2)
+      one_group ? panel_pair_rows<BITS, MR, true, TERMS>(r, m0, data, scale, offset, p, K, groups, out, N)
+                : panel_pair_rows<BITS, MR, false, TERMS>(r, m0, data, scale, offset, p, K, groups, out, N);
+  }
   for (; p + P <= p1; p += P)
     one_group ? panel_rows<BITS, MR, P, true, TERMS>(r, m0, data, scale, offset, p, K, groups, out, N)
               : panel_rows<BITS, MR, P, false, TERMS>(r, m0, data, scale, offset, p, K, groups, out, N);

@@ -7,8 +7,9 @@
 // registers instead of 16): on the AMD EPYC the kernels were measured on, the
 // 16-float vectors read weights 5-10% slower at 1-4 rows and no faster at 8
 // (Zen 4 splits them in two). What differs by instruction set is the register
-// count the tiles are sized by. (The exception: rows_linear.cpp's vdpbf16ps
-// tiles of 4 rows or more, bound by arithmetic, not reads, are 512-bit.)
+// count the tiles are sized by. (The exceptions, bound by arithmetic, not
+// reads: rows_linear.cpp's vdpbf16ps tiles of 4 rows or more and
+// int8_linear.cpp's VNNI tiles of 2 rows or more are 512-bit.)
 
 #pragma once
 
@@ -141,7 +142,10 @@ static inline bool has_bf16_dot() {
 
 // fetches the cache line at p into L2 ahead of its use: weights streamed a
 // few rows ahead overlap the reads with the arithmetic (T0 and NTA hints
-// measured slower)
-static inline void prefetch_l2(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_T1); }
+// measured slower). Written as an asm statement: GCC counts _mm_prefetch as
+// no effect at all and deletes a loop that only prefetches (it deleted every
+// prefetch of int8_linear.cpp's tiles once they moved into such a loop, and
+// the products from memory ran 1.2 x slower)
+static inline void prefetch_l2(const void* p) { __asm__ volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }
 
 }  // namespace kv
