@@ -330,11 +330,12 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
 // ---- the pair tiling (the VNNI build on AVX-512): two panels' 16 weight rows across the lanes of 512-bit vectors
 //
 // One broadcast of a row's 4 codes, one unpacking of the codes and one
-// convert, scale and FMA a block serve 16 weight rows instead of 8. Over 2-16
-// rows it ran 1.06-1.14 x faster than panel_rows on Zen 4 (bench/packed_kernel.py
-// shapes in a scratch A/B), which splits a 512-bit vpdpbusd in two: the
-// products take as long either way, and everything around them half as many
-// instructions. One row keeps panel_rows (a single stream through memory).
+// convert, scale and FMA a block serve 16 weight rows instead of 8. Every
+// linear of a SmolLM2 step from memory (a scratch A/B against panel_rows, Zen
+// 4) ran 1.06-1.16 x faster over 4-16 rows of 4-bit codes and 1.0-1.07 x of
+// 8-bit ones: Zen 4 splits a 512-bit vpdpbusd in two, so the products take as
+// long either way, and everything around them half as many instructions. One
+// row keeps panel_rows (a single stream through memory).
 #if defined(KV_VNNI) && defined(__AVX512BW__)
 constexpr bool PAIRS = true;
 typedef __m512i wivec;
