@@ -336,7 +336,7 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
 // 8-bit ones: Zen 4 splits a 512-bit vpdpbusd in two, so the products take as
 // long either way, and everything around them half as many instructions. One
 // row keeps panel_rows (a single stream through memory).
-#if defined(KV_VNNI) && defined(__AVX512BW__)
+#if defined(KV_VNNI) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 constexpr bool PAIRS = true;
 typedef __m512i wivec;
 typedef __m512 wvec;
@@ -345,16 +345,19 @@ inline wivec pair_codes(const uint8_t* a, const uint8_t* b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const ivec*)a)), _mm256_loadu_si256((const ivec*)b), 1);
 }
 // two panels' 8 scales at a and b as floats
-inline wvec pair8(const float* a, const float* b) {
-  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(load(a))), _mm256_castps_pd(load(b)), 1));
-}
+inline wvec pair8(const float* a, const float* b) { return _mm512_insertf32x8(_mm512_castps256_ps512(load(a)), load(b), 1); }
 inline wvec pair8(const uint16_t* a, const uint16_t* b) {
   const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)a)),
                                             _mm_loadu_si128((const __m128i*)b), 1);
   return _mm512_cvtph_ps(h);
 }
 inline vec low_half(wvec a) { return _mm512_castps512_ps256(a); }
-inline vec high_half(wvec a) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)); }
+inline vec high_half(wvec a) { return _mm512_extractf32x8_ps(a, 1); }
+// nibbles over two panels
+inline void nibbles(wivec bytes, wivec& low, wivec& high) {
+  low = _mm512_and_si512(bytes, _mm512_set1_epi8(15));
+  high = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), _mm512_set1_epi8(15));
+}
 
 // panel_rows' arithmetic over panels p0 and p0 + 1 at once, the same in every lane
 template <int BITS, int MR, bool ONE_GROUP, int TERMS, typename S>
@@ -364,7 +367,6 @@ inline void panel_pair_rows(const Rows& rows, int64_t m0, const uint8_t* data, c
   wvec acc[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
-  const wivec mask = _mm512_set1_epi8(15);
   for (int64_t b = 0; b < op.blocks; b++) {
     op.template fetch_ahead<2>(b);
     wivec dots[MR];
@@ -374,7 +376,8 @@ inline void panel_pair_rows(const Rows& rows, int64_t m0, const uint8_t* data, c
     for (int q = 0; q < BITS; q++) {
       const wivec w = pair_codes(op.block(b, 0) + q * 32, op.block(b, 1) + q * 32);
       if constexpr (BITS == 4) {
-        const wivec low = _mm512_and_si512(w, mask), high = _mm512_and_si512(_mm512_srli_epi16(w, 4), mask);
+        wivec low, high;
+        nibbles(w, low, high);
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++) {
           const wivec x = _mm512_set1_epi32(op.four(i, b * BLOCK + 4 * q));
