@@ -548,17 +548,18 @@ def test_every_kernel_build_keeps_its_prefetches(isa):
         assert "prefetcht1" in code, f"{name} lost its prefetches"
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_the_int8_kernel_runs_vnni_where_the_cpu_has_it(isa, shims, bits):
-    """Both builds sum the same integers: with 4-bit codes, the same bits;
-    compiled code (the shim) runs the VNNI build where the CPU has it."""
+@pytest.mark.parametrize("bits,terms", [(4, 1), (8, 1), (4, 2)])
+def test_the_int8_kernel_runs_vnni_where_the_cpu_has_it(isa, shims, bits, terms):
+    """Both builds sum the same integers: with 4-bit codes, the same bits
+    (one term or two, whichever tiling the VNNI build takes); compiled code
+    (the shim) runs the VNNI build where the CPU has it."""
     if "vnni" not in INT8_PRODUCTS[isa]:
         pytest.skip(f"this CPU has no VNNI for the {isa} build")
-    x, data, scale, offset, _, _ = int8_operands(bits, 5, 136, 96, 3, half=True)
-    vnni = build.int8_linear(x, data, scale, offset, bits, isa=isa, products="vnni")
-    assert torch.equal(shims.call("int8_linear", x, data, scale, offset, bits, 1), vnni)
+    x, data, scale, offset, _, _ = int8_operands(bits, 5, 136, 96, 3, half=True, terms=terms)
+    vnni = build.int8_linear(x, data, scale, offset, bits, terms, isa=isa, products="vnni")
+    assert torch.equal(shims.call("int8_linear", x, data, scale, offset, bits, terms), vnni)
     if bits == 4:
-        assert torch.equal(build.int8_linear(x, data, scale, offset, bits, isa=isa, products="maddubs"), vnni)
+        assert torch.equal(build.int8_linear(x, data, scale, offset, bits, terms, isa=isa, products="maddubs"), vnni)
 
 
 def test_the_int8_op_is_its_decomposition():

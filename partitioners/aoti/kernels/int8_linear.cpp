@@ -12,13 +12,16 @@
 // passes/packed_weights.py's int8_rows, so a package's eager reference
 // computes the same codes. With two terms (--qact int8x2, int8x2_rows), xq
 // is that plus the rounding error x - xq rounded the same way: each row
-// becomes two rows of int8 codes, multiplied as any others in the same pass,
-// and their two results are summed in registers before the one store (about
-// 15 bits of each activation for twice the integer products; the weight is
-// still read once). Each block's product is an integer dot product,
-// 32 code pairs summed exactly in int32 (maddubs then madd on AVX2), then
-// scaled once by the block's step times the group's scale; the offsets
-// multiply each row's sum of xq over a group, computed once a call.
+// becomes two rows of int8 codes, multiplied as any others in the same pass
+// (about 15 bits of each activation for twice the integer products; the
+// weight is still read once). Each block's product is an integer dot
+// product, 32 code pairs summed exactly in int32 (maddubs then madd on AVX2),
+// then scaled by the block's step and the group's scale (two terms: each by
+// its step, summed, then scaled once); the offsets multiply each row's sum of
+// xq over a group (both terms), computed once a call. Summing the two terms a
+// block, not at the end, and their offsets as one took 8 rows of 4-bit codes
+// from 136-140 to 125-129 us in cache (a 4096 x 576 weight, a scratch A/B on
+// Zen 4).
 //
 // 4-bit codes are unpacked in registers (a mask, and a shift and a mask, of
 // 32 bytes give two quads of the panel's 8 rows). A thread walks its own band
@@ -59,6 +62,7 @@ using namespace kv;
 namespace {
 
 constexpr int BLOCK = 32;
+constexpr int QUADS = BLOCK / 4;  // a block's quads: 4 codes each
 constexpr int PANEL = 8;  // weight rows a panel of the format holds
 constexpr int MR_MAX = REGISTERS == 32 ? 8 : 4;  // rows a pass over the weight takes at most
 // how many panels ahead (8 weight rows each) codes are fetched into L2: 8 ran
@@ -74,8 +78,12 @@ const float SMALLEST_TOP = (float)1e-30;
 
 typedef __m256i ivec;
 
-// x's rows as int8 codes [M, K] in K order, each block's step [M, K / 32] and
-// each row's sum of step * codes over each group [M, groups]
+// x's rows as int8 codes (M * terms rows of K), each block's step (M * terms
+// rows of K / 32), and each row of x's sum of step * codes over each group
+// and both terms [M, groups]. The codes and steps go in passes of rows (as
+// the products take them): a pass of n rows holds its codes quad by quad (4
+// codes of each of its rows, row by row) and its steps block by block, so a
+// tile finds a row's operands at a fixed distance from one pointer
 struct Rows {
   std::vector<int8_t> codes;
   std::vector<float> steps, sums;
@@ -116,18 +124,23 @@ inline ivec block_codes(const float* p, float& step, int32_t& sum, float* error 
                                      order);
 }
 
-// x's M rows as int8 codes; with two terms, 2 M rows: row 2m holds row m's
-// codes, row 2m + 1 those of its rounding error
-Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups, int terms) {
+// x's M rows as int8 codes, in passes of per_pass rows; with two terms, 2 M
+// rows: row 2m holds row m's codes, row 2m + 1 those of its rounding error
+Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups, int terms, int64_t per_pass) {
   const int64_t blocks = K / BLOCK, per_group = blocks / groups, R = M * terms;
-  Rows r{std::vector<int8_t>(R * K), std::vector<float>(R * blocks), std::vector<float>(R * groups, 0.0f)};
+  Rows r{std::vector<int8_t>(R * K), std::vector<float>(R * blocks), std::vector<float>(M * groups, 0.0f)};
   // code row `row`'s block b from the 32 floats at p (and their rounding error into `error`, if given)
   const auto put = [&](int64_t row, int64_t b, const float* p, float* error) {
+    // its pass: from row `first`, n rows
+    const int64_t first = row / per_pass * per_pass, n = R - first < per_pass ? R - first : per_pass;
     float step;
     int32_t sum;
-    _mm256_storeu_si256((ivec*)(r.codes.data() + row * K + b * BLOCK), block_codes(p, step, sum, error));
-    r.steps[row * blocks + b] = step;
-    r.sums[row * groups + b / per_group] += step * (float)sum;
+    alignas(32) int32_t quads[QUADS];
+    _mm256_store_si256((ivec*)quads, block_codes(p, step, sum, error));
+    int32_t* pass = (int32_t*)(r.codes.data() + first * K) + b * QUADS * n + row - first;
+    for (int j = 0; j < QUADS; j++) pass[j * n] = quads[j];
+    r.steps[first * blocks + b * n + row - first] = step;
+    r.sums[row / terms * groups + b / per_group] += step * (float)sum;
   };
   const auto row = [&](int64_t m) {
     alignas(32) float error[BLOCK];
@@ -191,19 +204,60 @@ inline void fma_offsets(const S* offset, const S* scale, const float* sums, int6
   }
 }
 
-// stores a panel's results of rows m0..m0+MR (TERMS 2: code rows 2m and 2m + 1 summed, into row m)
-template <int MR, int TERMS>
+// the arithmetic of add_block below on 256-bit vectors and, for the pair
+// tiling, on 512-bit ones
+inline vec to_float(ivec a) { return _mm256_cvtepi32_ps(a); }
+template <typename V>
+V splat(float x);
+template <>
+inline vec splat<vec>(float x) {
+  return broadcast(x);
+}
+#if defined(KV_VNNI) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+constexpr bool PAIRS = true;
+typedef __m512i wivec;
+typedef __m512 wvec;
+using kv::fma, kv::mul;  // beside these overloads, not hidden by them
+inline wvec to_float(wivec a) { return _mm512_cvtepi32_ps(a); }
+inline wvec mul(wvec a, wvec b) { return _mm512_mul_ps(a, b); }
+inline wvec fma(wvec a, wvec b, wvec c) { return _mm512_fmadd_ps(a, b, c); }
+template <>
+inline wvec splat<wvec>(float x) {
+  return _mm512_set1_ps(x);
+}
+#else
+constexpr bool PAIRS = false;
+#endif
+
+// acc plus a block's products for one row of x: the dot products of its
+// code row (dots, step) and with two terms of its rounding error's
+// (error_dots, error_step; ignored with one), each times its step and, unless
+// ONE_GROUP (a weight with one scale a row, applied at the end), the group's
+// scales s. Two terms are summed before the scales: one multiply a block
+// fewer than scaling each
+template <bool ONE_GROUP, int TERMS, typename V, typename IV>
+inline V add_block(V acc, IV dots, float step, IV error_dots, float error_step, V s) {
+  if constexpr (TERMS == 1)
+    return fma(to_float(dots), ONE_GROUP ? splat<V>(step) : mul(splat<V>(step), s), acc);
+  else if constexpr (ONE_GROUP)
+    return fma(to_float(error_dots), splat<V>(error_step), fma(to_float(dots), splat<V>(step), acc));
+  else
+    return fma(fma(to_float(error_dots), splat<V>(error_step), mul(to_float(dots), splat<V>(step))), s, acc);
+}
+
+// stores a panel's results of x's rows m0..m0+MR
+template <int MR>
 inline void store_rows(const vec (&result)[MR], int64_t m0, float* out, int64_t N, int64_t column) {
 #pragma GCC unroll 8
-  for (int i = 0; i < MR; i += TERMS)
-    store(out + (m0 + i) / TERMS * N + column, TERMS == 2 ? add(result[i], result[i + 1]) : result[i]);
+  for (int i = 0; i < MR; i++) store(out + (m0 + i) * N + column, result[i]);
 }
 
 // ---- the row tiling: a panel's 8 weight rows across the lanes
 
-// where panels p0.. and code rows m0.. find their operands (x's codes, steps
-// and sums; the panels' codes, scales and offsets), for either tiling below
-template <int BITS, typename S>
+// where panels p0.. and code rows m0.. (x's rows m0 / TERMS ..) find their
+// operands (x's codes, steps and sums; the panels' codes, scales and
+// offsets), for either tiling below
+template <int BITS, int MR, int TERMS, typename S>
 struct Operands {
   static constexpr int64_t BLOCK_BYTES = PANEL * BLOCK * BITS / 8;  // a panel's codes of one block
   int64_t K, blocks, groups, per_group, panel_bytes, table;          // table: a panel's scales (or offsets)
@@ -217,19 +271,19 @@ struct Operands {
       : K(K), blocks(K / BLOCK), groups(groups), per_group(K / BLOCK / groups), panel_bytes(K / BLOCK * BLOCK_BYTES),
         table(groups * PANEL), codes(data + p0 * panel_bytes), scales(scale + p0 * table),
         offsets(offset + p0 * table), x_codes(rows.codes.data() + m0 * K), steps(rows.steps.data() + m0 * blocks),
-        sums(rows.sums.data() + m0 * groups) {}
+        sums(rows.sums.data() + m0 / TERMS * groups) {}
 
   // panel t's codes of block b, and its 8 scales or offsets of group g
   const uint8_t* block(int64_t b, int t) const { return codes + t * panel_bytes + b * BLOCK_BYTES; }
   const S* scale8(int t, int64_t g) const { return scales + t * table + g * PANEL; }
   const S* offset8(int t, int64_t g) const { return offsets + t * table + g * PANEL; }
-  // 4 codes of code row i at k, as one int32 (the broadcast of a quad)
-  int32_t four(int i, int64_t k) const {
+  // quad j (codes 4j..4j+3) of code row i, as one int32 (the broadcast of a quad)
+  int32_t four(int i, int64_t j) const {
     int32_t four;
-    std::memcpy(&four, x_codes + i * K + k, 4);
+    std::memcpy(&four, x_codes + (j * MR + i) * 4, 4);
     return four;
   }
-  float step(int i, int64_t b) const { return steps[i * blocks + b]; }
+  float step(int i, int64_t b) const { return steps[b * MR + i]; }
 
   // fetches into L2, PREFETCH_PANELS panels ahead of P panels, their codes of
   // block b and, at the first block of a cache line of groups, their tables
@@ -248,25 +302,27 @@ struct Operands {
       }
   }
 
-  // each row's result for panel t: acc (its weight's scale per row, if ONE_GROUP, applied here) plus the offset terms
-  template <int MR, bool ONE_GROUP>
-  void finish(int t, vec (&result)[MR]) const {
+  // each row of x's result for panel t: acc (its weight's scale per row, if ONE_GROUP, applied here) plus the offset terms
+  template <bool ONE_GROUP>
+  void finish(int t, vec (&result)[MR / TERMS]) const {
     if constexpr (ONE_GROUP)
 #pragma GCC unroll 8
-      for (int i = 0; i < MR; i++) result[i] = mul(result[i], load8(scale8(t, 0)));
+      for (int i = 0; i < MR / TERMS; i++) result[i] = mul(result[i], load8(scale8(t, 0)));
     fma_offsets<BITS>(offset8(t, 0), scale8(t, 0), sums, groups, result);
   }
 };
 
-// rows m0..m0+MR by panels p0..p0+P (weight rows 8 p0 ..), into out; a weight
-// with one group a row (ONE_GROUP) is scaled once at the end. With two terms
-// (TERMS 2: m0 and MR even), code rows 2m and 2m + 1 are x's row m's two
-// terms: their results are summed in registers and stored once, to row m
+// code rows m0..m0+MR by panels p0..p0+P (weight rows 8 p0 ..), into out; a
+// weight with one group a row (ONE_GROUP) is scaled once at the end. With two
+// terms (TERMS 2: m0 and MR even), code rows 2m and 2m + 1 are x's row m's
+// two terms: their products are summed in registers a block, and stored
+// once, to row m
 template <int BITS, int MR, int P, bool ONE_GROUP, int TERMS, typename S>
 inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset, int64_t p0,
                        int64_t K, int64_t groups, float* out, int64_t N) {
-  const Operands<BITS, S> op(rows, m0, data, scale, offset, p0, K, groups);
-  vec acc[MR][P];
+  constexpr int XR = MR / TERMS;  // rows of x
+  const Operands<BITS, MR, TERMS, S> op(rows, m0, data, scale, offset, p0, K, groups);
+  vec acc[XR][P];
   clear(acc);
   for (int64_t b = 0; b < op.blocks; b++) {
     op.template fetch_ahead<P>(b);
@@ -281,8 +337,8 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
       ivec x[MR], xh[MR];
 #pragma GCC unroll 8
       for (int i = 0; i < MR; i++) {
-        x[i] = _mm256_set1_epi32(op.four(i, b * BLOCK + 4 * q));
-        if constexpr (BITS == 4) xh[i] = _mm256_set1_epi32(op.four(i, b * BLOCK + 16 + 4 * q));
+        x[i] = _mm256_set1_epi32(op.four(i, b * QUADS + q));
+        if constexpr (BITS == 4) xh[i] = _mm256_set1_epi32(op.four(i, b * QUADS + QUADS / 2 + q));
       }
 #pragma GCC unroll 4
       for (int t = 0; t < P; t++) {
@@ -311,19 +367,18 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
     for (int t = 0; t < P; t++) {
       const vec s = ONE_GROUP ? zero() : load8(op.scale8(t, b / op.per_group));
 #pragma GCC unroll 8
-      for (int i = 0; i < MR; i++) {
-        const vec step = broadcast(op.step(i, b));
-        acc[i][t] = fma(_mm256_cvtepi32_ps(dots[i][t]), ONE_GROUP ? step : mul(step, s), acc[i][t]);
-      }
+      for (int i = 0; i < MR; i += TERMS)
+        acc[i / TERMS][t] = add_block<ONE_GROUP, TERMS>(acc[i / TERMS][t], dots[i][t], op.step(i, b),
+                                                        dots[i + TERMS - 1][t], op.step(i + TERMS - 1, b), s);
     }
   }
 #pragma GCC unroll 4
   for (int t = 0; t < P; t++) {
-    vec result[MR];
+    vec result[XR];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) result[i] = acc[i][t];
-    op.template finish<MR, ONE_GROUP>(t, result);
-    store_rows<MR, TERMS>(result, m0, out, N, (p0 + t) * PANEL);
+    for (int i = 0; i < XR; i++) result[i] = acc[i][t];
+    op.template finish<ONE_GROUP>(t, result);
+    store_rows(result, m0 / TERMS, out, N, (p0 + t) * PANEL);
   }
 }
 
@@ -337,9 +392,6 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
 // long either way, and everything around them half as many instructions. One
 // row keeps panel_rows (a single stream through memory).
 #if defined(KV_VNNI) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-constexpr bool PAIRS = true;
-typedef __m512i wivec;
-typedef __m512 wvec;
 // two panels' 32 bytes at a and b as one vector (a's in the low half)
 inline wivec pair_codes(const uint8_t* a, const uint8_t* b) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const ivec*)a)), _mm256_loadu_si256((const ivec*)b), 1);
@@ -363,10 +415,11 @@ inline void nibbles(wivec bytes, wivec& low, wivec& high) {
 template <int BITS, int MR, bool ONE_GROUP, int TERMS, typename S>
 inline void panel_pair_rows(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset,
                             int64_t p0, int64_t K, int64_t groups, float* out, int64_t N) {
-  const Operands<BITS, S> op(rows, m0, data, scale, offset, p0, K, groups);
-  wvec acc[MR];
+  constexpr int XR = MR / TERMS;  // rows of x
+  const Operands<BITS, MR, TERMS, S> op(rows, m0, data, scale, offset, p0, K, groups);
+  wvec acc[XR];
 #pragma GCC unroll 8
-  for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
+  for (int i = 0; i < XR; i++) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < op.blocks; b++) {
     op.template fetch_ahead<2>(b);
     wivec dots[MR];
@@ -380,33 +433,31 @@ inline void panel_pair_rows(const Rows& rows, int64_t m0, const uint8_t* data, c
         nibbles(w, low, high);
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++) {
-          const wivec x = _mm512_set1_epi32(op.four(i, b * BLOCK + 4 * q));
-          const wivec x_high = _mm512_set1_epi32(op.four(i, b * BLOCK + 16 + 4 * q));
+          const wivec x = _mm512_set1_epi32(op.four(i, b * QUADS + q));
+          const wivec x_high = _mm512_set1_epi32(op.four(i, b * QUADS + QUADS / 2 + q));
           dots[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dots[i], low, x), high, x_high);
         }
       } else {
 #pragma GCC unroll 8
-        for (int i = 0; i < MR; i++) dots[i] = _mm512_dpbusd_epi32(dots[i], w, _mm512_set1_epi32(op.four(i, b * BLOCK + 4 * q)));
+        for (int i = 0; i < MR; i++) dots[i] = _mm512_dpbusd_epi32(dots[i], w, _mm512_set1_epi32(op.four(i, b * QUADS + q)));
       }
     }
     const int64_t g = b / op.per_group;
     const wvec s = ONE_GROUP ? _mm512_setzero_ps() : pair8(op.scale8(0, g), op.scale8(1, g));
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) {
-      const wvec step = _mm512_set1_ps(op.step(i, b));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[i]), ONE_GROUP ? step : _mm512_mul_ps(step, s), acc[i]);
-    }
+    for (int i = 0; i < MR; i += TERMS)
+      acc[i / TERMS] = add_block<ONE_GROUP, TERMS>(acc[i / TERMS], dots[i], op.step(i, b), dots[i + TERMS - 1],
+                                                   op.step(i + TERMS - 1, b), s);
   }
   for (int t = 0; t < 2; t++) {
-    vec result[MR];
+    vec result[XR];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) result[i] = t ? high_half(acc[i]) : low_half(acc[i]);
-    op.template finish<MR, ONE_GROUP>(t, result);
-    store_rows<MR, TERMS>(result, m0, out, N, (p0 + t) * PANEL);
+    for (int i = 0; i < XR; i++) result[i] = t ? high_half(acc[i]) : low_half(acc[i]);
+    op.template finish<ONE_GROUP>(t, result);
+    store_rows(result, m0 / TERMS, out, N, (p0 + t) * PANEL);
   }
 }
 #else
-constexpr bool PAIRS = false;
 template <int BITS, int MR, bool ONE_GROUP, int TERMS, typename S>
 inline void panel_pair_rows(const Rows&, int64_t, const uint8_t*, const S*, const S*, int64_t, int64_t, int64_t, float*,
                             int64_t) {}
@@ -445,12 +496,12 @@ template <int BITS, int TERMS, typename S>
 void product(const float* x, int64_t ldx, const uint8_t* data, const S* scale, const S* offset, float* out,
              int64_t M, int64_t N, int64_t K, int64_t groups) {
   static_assert(MR_MAX % 2 == 0, "a pass takes a row's two terms together");
-  const Rows rows = quantize(x, ldx, M, K, groups, TERMS);
   const int64_t R = M * TERMS;  // rows of codes
-  const int64_t panels = N / PANEL, panel_bytes = K * BITS;
-  const int64_t chunk = R <= MR_MAX ? panels : (CHUNK_BYTES / panel_bytes > 0 ? CHUNK_BYTES / panel_bytes : 1);
   // passes of even size (two terms: whole rows of x, both terms in one pass)
   const int64_t passes = (R + MR_MAX - 1) / MR_MAX, per_pass = (M + passes - 1) / passes * TERMS;
+  const Rows rows = quantize(x, ldx, M, K, groups, TERMS, per_pass);
+  const int64_t panels = N / PANEL, panel_bytes = K * BITS;
+  const int64_t chunk = R <= MR_MAX ? panels : (CHUNK_BYTES / panel_bytes > 0 ? CHUNK_BYTES / panel_bytes : 1);
 #pragma omp parallel
   {
     const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
