@@ -260,7 +260,7 @@ inline void store_rows(const vec (&result)[MR], int64_t m0, float* out, int64_t 
 template <int BITS, int MR, int TERMS, typename S>
 struct Operands {
   static constexpr int64_t BLOCK_BYTES = PANEL * BLOCK * BITS / 8;  // a panel's codes of one block
-  int64_t K, blocks, groups, per_group, panel_bytes, table;          // table: a panel's scales (or offsets)
+  int64_t blocks, groups, per_group, panel_bytes, table;             // table: a panel's scales (or offsets)
   const uint8_t* codes;
   const S *scales, *offsets;
   const int8_t* x_codes;
@@ -268,7 +268,7 @@ struct Operands {
 
   Operands(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset, int64_t p0, int64_t K,
            int64_t groups)
-      : K(K), blocks(K / BLOCK), groups(groups), per_group(K / BLOCK / groups), panel_bytes(K / BLOCK * BLOCK_BYTES),
+      : blocks(K / BLOCK), groups(groups), per_group(K / BLOCK / groups), panel_bytes(K / BLOCK * BLOCK_BYTES),
         table(groups * PANEL), codes(data + p0 * panel_bytes), scales(scale + p0 * table),
         offsets(offset + p0 * table), x_codes(rows.codes.data() + m0 * K), steps(rows.steps.data() + m0 * blocks),
         sums(rows.sums.data() + m0 / TERMS * groups) {}
@@ -281,7 +281,7 @@ struct Operands {
   const int32_t* quad(int i, int64_t j) const { return (const int32_t*)(x_codes + (j * MR + i) * 4); }
   int32_t four(int i, int64_t j) const {
     int32_t four;
-    std::memcpy(&four, x_codes + (j * MR + i) * 4, 4);
+    std::memcpy(&four, quad(i, j), 4);
     return four;
   }
   float step(int i, int64_t b) const { return steps[b * MR + i]; }
