@@ -65,10 +65,14 @@ constexpr int BLOCK = 32;
 constexpr int QUADS = BLOCK / 4;  // a block's quads: 4 codes each
 constexpr int PANEL = 8;  // weight rows a panel of the format holds
 constexpr int MR_MAX = REGISTERS == 32 ? 8 : 4;  // rows a pass over the weight takes at most
-// how many panels ahead (8 weight rows each) codes are fetched into L2: 8 ran
-// a one-row product of 4-bit codes from memory 1.4 x faster than 4 or 16 (a
-// scratch A/B on a 131072 x 576 weight, the VNNI build)
-constexpr int64_t PREFETCH_PANELS = 8;
+// how many panels ahead (8 weight rows each) codes are fetched into L2. Over
+// one pass of rows (a decode step), 4: every linear of a SmolLM2 step from
+// memory ran 2.5-5% faster than at 8 (1 and 8 rows, one and two terms;
+// 1B-shaped weights 3%; a 131072 x 576 weight alike), and 16 ran 14% slower
+// (scratch A/Bs on Zen 4, the VNNI build). Over several passes (a prompt's
+// slice, whose chunks each pass reads again from L2), 8: 4 was up to 2%
+// slower at 64 rows. None at all ran a one-row step's linears 1.5 x slower
+constexpr int64_t PREFETCH_ONE_PASS = 4, PREFETCH_PASSES = 8;
 // over more than MR_MAX rows, a thread's panels go by in chunks of this many
 // bytes, each read from memory once and from L2 by every pass of rows
 constexpr int64_t CHUNK_BYTES = 192 << 10;
@@ -87,6 +91,7 @@ typedef __m256i ivec;
 struct Rows {
   std::vector<int8_t> codes;
   std::vector<float> steps, sums;
+  bool one_pass;  // all rows in one pass
 };
 
 // block b of row p (32 floats at p): its codes as 32 bytes in K order, its
@@ -128,7 +133,8 @@ inline ivec block_codes(const float* p, float& step, int32_t& sum, float* error 
 // rows: row 2m holds row m's codes, row 2m + 1 those of its rounding error
 Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups, int terms, int64_t per_pass) {
   const int64_t blocks = K / BLOCK, per_group = blocks / groups, R = M * terms;
-  Rows r{std::vector<int8_t>(R * K), std::vector<float>(R * blocks), std::vector<float>(M * groups, 0.0f)};
+  Rows r{std::vector<int8_t>(R * K), std::vector<float>(R * blocks), std::vector<float>(M * groups, 0.0f),
+         per_pass >= R};
   // code row `row`'s block b from the 32 floats at p (and their rounding error into `error`, if given)
   const auto put = [&](int64_t row, int64_t b, const float* p, float* error) {
     // its pass: from row `first`, n rows
@@ -261,6 +267,7 @@ template <int BITS, int MR, int TERMS, typename S>
 struct Operands {
   static constexpr int64_t BLOCK_BYTES = PANEL * BLOCK * BITS / 8;  // a panel's codes of one block
   int64_t blocks, groups, per_group, panel_bytes, table;             // table: a panel's scales (or offsets)
+  int64_t ahead;                                                      // panels fetch_ahead fetches ahead
   const uint8_t* codes;
   const S *scales, *offsets;
   const int8_t* x_codes;
@@ -269,14 +276,14 @@ struct Operands {
   Operands(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset, int64_t p0, int64_t K,
            int64_t groups)
       : blocks(K / BLOCK), groups(groups), per_group(K / BLOCK / groups), panel_bytes(K / BLOCK * BLOCK_BYTES),
-        table(groups * PANEL), codes(data + p0 * panel_bytes), scales(scale + p0 * table),
+        table(groups * PANEL), ahead(rows.one_pass ? PREFETCH_ONE_PASS : PREFETCH_PASSES), codes(data + p0 * panel_bytes), scales(scale + p0 * table),
         offsets(offset + p0 * table), x_codes(rows.codes.data() + m0 * K), steps(rows.steps.data() + m0 * blocks),
         sums(rows.sums.data() + m0 / TERMS * groups) {}
 
   // panel t's codes of block b, and its 8 scales or offsets of group g
-  const uint8_t* block(int64_t b, int t) const { return codes + t * panel_bytes + b * BLOCK_BYTES; }
-  const S* scale8(int t, int64_t g) const { return scales + t * table + g * PANEL; }
-  const S* offset8(int t, int64_t g) const { return offsets + t * table + g * PANEL; }
+  const uint8_t* block(int64_t b, int64_t t) const { return codes + t * panel_bytes + b * BLOCK_BYTES; }
+  const S* scale8(int64_t t, int64_t g) const { return scales + t * table + g * PANEL; }
+  const S* offset8(int64_t t, int64_t g) const { return offsets + t * table + g * PANEL; }
   // quad j (codes 4j..4j+3) of code row i: where it is, and as one int32 (the broadcast of a quad)
   const int32_t* quad(int i, int64_t j) const { return (const int32_t*)(x_codes + (j * MR + i) * 4); }
   int32_t four(int i, int64_t j) const {
@@ -286,20 +293,20 @@ struct Operands {
   }
   float step(int i, int64_t b) const { return steps[b * MR + i]; }
 
-  // fetches into L2, PREFETCH_PANELS panels ahead of P panels, their codes of
-  // block b and, at the first block of a cache line of groups, their tables
+  // fetches into L2, `ahead` panels ahead of P panels, their codes of block b
+  // and, at the first block of a cache line of groups, their tables
   template <int P>
   void fetch_ahead(int64_t b) const {
     const int64_t line = 64 / (PANEL * (int64_t)sizeof(S));  // groups a cache line of a table holds
 #pragma GCC unroll 4
-    for (int t = PREFETCH_PANELS; t < PREFETCH_PANELS + P; t++)
-      for (int64_t at = 0; at < BLOCK_BYTES; at += 64) prefetch_l2(block(b, t) + at);
+    for (int t = 0; t < P; t++)
+      for (int64_t at = 0; at < BLOCK_BYTES; at += 64) prefetch_l2(block(b, ahead + t) + at);
     const int64_t g = b / per_group;
     if (b % per_group == 0 && g % line == 0)
 #pragma GCC unroll 4
-      for (int t = PREFETCH_PANELS; t < PREFETCH_PANELS + P; t++) {
-        prefetch_l2(scale8(t, g));
-        prefetch_l2(offset8(t, g));
+      for (int t = 0; t < P; t++) {
+        prefetch_l2(scale8(ahead + t, g));
+        prefetch_l2(offset8(ahead + t, g));
       }
   }
 
