@@ -172,7 +172,8 @@ def shape_directory(root: Path, shape: str) -> Path:
 EXPORTS = {"fp32": [], "bf16": ["--dtype", "bf16"], "8w": ["--qlinear", "8w", "--qembedding", "8w"],
            "4w": ["--qlinear", "4w", "--qembedding", "8w"], "gguf": ["--qlinear", "gguf"],
            "8w-int8x2": ["--qlinear", "8w", "--qembedding", "8w", "--qact", "int8x2"],
-           "4w-int8x2": ["--qlinear", "4w", "--qembedding", "8w", "--qact", "int8x2"]}
+           "4w-int8x2": ["--qlinear", "4w", "--qembedding", "8w", "--qact", "int8x2"],
+           "gguf-int8x2": ["--qlinear", "gguf", "--qact", "int8x2"]}
 
 
 def exported(root: Path, source: Path, label: str, isa: str = "native") -> Path:
