@@ -21,9 +21,9 @@
 // The instruction set is the compiled package's (the build passes inductor's
 // own -m flags); the tiles are sized by its vector registers (vec.h).
 
+#include <cpuid.h>
 #include <omp.h>
 
-#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -38,12 +38,11 @@ constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead the weight rows are fetch
 // runs, a SmolLM2 step's products), it was 8-22% faster with AVX-512 code and
 // with AVX2 code, and bf16 tiles were 1.4-1.7 x faster with it.
 constexpr int64_t BAND = 64;           // weight rows a thread takes at a time
-// vdpbf16ps tiles of this many rows or more take 512-bit vectors: 32 products
-// an instruction. Over 8 rows of a SmolLM2 step's products they ran 1.26 x
-// faster than 256-bit ones on an Intel Xeon with AVX512-BF16 (18.0 against
-// 22.7 ms), and no faster over one row, where the reads bound the step; Zen 4
-// splits a 512-bit instruction in two, so fewer rows keep the 256-bit tiles
-// measured there.
+// vdpbf16ps tiles of this many rows or more take 512-bit vectors (32
+// products an instruction) where wide_tiles() says they pay. Over 8 rows of a
+// SmolLM2 step's products they ran 1.26 x faster than 256-bit ones on an Intel
+// Xeon with AVX512-BF16 (18.0 against 22.7 ms), and no faster over one row,
+// where the reads bound the step.
 constexpr int WIDE_FROM = 4;
 // Rows a tile takes at most: 8, whose weight row is then loaded once for 8
 // FMAs. With 16 registers that leaves one weight row a tile (8 accumulators,
@@ -162,16 +161,43 @@ static inline void tile_dot(const uint16_t*, int64_t, const uint16_t*, int64_t, 
 constexpr bool DOT = false;
 #endif
 
+// whether this CPU runs 512-bit vdpbf16ps tiles faster than 256-bit ones
+// over WIDE_FROM rows or more: not on AMD's Zen 4 (family 25), which
+// executes a 512-bit instruction as two 256-bit halves. There the 256-bit
+// tiles ran every linear of a SmolLM2 bf16 step from memory 1.06 x faster at
+// 4 rows, 1.2-1.28 x at 8 and 1.31 x at 16 (a scratch A/B, both builds in one
+// process, alternating)
+static bool wide_tiles() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541)  // "Auth" of AuthenticAMD
+    return true;
+  __get_cpuid(1, &a, &b, &c, &d);
+  const unsigned base = (a >> 8) & 0xf, family = base + (base == 0xf ? (a >> 20) & 0xff : 0);
+  return family > 25;
+}
+
+// MR rows of x by weight rows [n0, n1) in vdpbf16ps tiles of D's width
+template <typename D, int MR>
+static void dot_band(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* out, int64_t N, int64_t n0,
+                     int64_t n1) {
+  constexpr int NR = weight_rows<MR>();
+  int64_t n = n0;
+  for (; n + NR <= n1; n += NR) tile_dot<D, MR, NR>(x, ldx, w + n * K, K, out + n, N);
+  for (; n < n1; n++) tile_dot<D, MR, 1>(x, ldx, w + n * K, K, out + n, N);
+}
+
 // MR rows of x by weight rows [n0, n1)
 template <int MR, typename TX, typename TW>
 static void band(const TX* x, int64_t ldx, const TW* w, int64_t K, float* out, int64_t N, int64_t n0, int64_t n1) {
-  constexpr int NR = weight_rows<MR>();
-  int64_t n = n0;
   if constexpr (DOT && sizeof(TX) == 2) {
-    typedef std::conditional_t<MR >= WIDE_FROM, Dot512, Dot256> D;
-    for (; n + NR <= n1; n += NR) tile_dot<D, MR, NR>(x, ldx, w + n * K, K, out + n, N);
-    for (; n < n1; n++) tile_dot<D, MR, 1>(x, ldx, w + n * K, K, out + n, N);
+    if constexpr (MR >= WIDE_FROM) {
+      static const bool wide = wide_tiles();
+      if (wide) return dot_band<Dot512, MR>(x, ldx, w, K, out, N, n0, n1);
+    }
+    dot_band<Dot256, MR>(x, ldx, w, K, out, N, n0, n1);
   } else {
+    constexpr int NR = weight_rows<MR>();
+    int64_t n = n0;
     for (; n + NR <= n1; n += NR) tile<MR, NR>(x, ldx, w + n * K, K, out + n, N);
     for (; n < n1; n++) tile<MR, 1>(x, ldx, w + n * K, K, out + n, N);
   }
