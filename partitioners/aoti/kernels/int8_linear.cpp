@@ -67,7 +67,7 @@ constexpr int PANEL = 8;  // weight rows a panel of the format holds
 constexpr int MR_MAX = REGISTERS == 32 ? 8 : 4;  // rows a pass over the weight takes at most
 // how many panels ahead (8 weight rows each) codes are fetched into L2. Over
 // one pass of rows (a decode step), 4: every linear of a SmolLM2 step from
-// memory ran 2.5-5% faster than at 8 (1 and 8 rows, one and two terms;
+// memory ran 2-8% faster than at 8 (1 and 8 rows, one and two terms;
 // 1B-shaped weights 3%; a 131072 x 576 weight alike), and 16 ran 14% slower
 // (scratch A/Bs on Zen 4, the VNNI build). Over several passes (a prompt's
 // slice, whose chunks each pass reads again from L2), 8: 4 was up to 2%
@@ -276,8 +276,8 @@ struct Operands {
   Operands(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset, int64_t p0, int64_t K,
            int64_t groups)
       : blocks(K / BLOCK), groups(groups), per_group(K / BLOCK / groups), panel_bytes(K / BLOCK * BLOCK_BYTES),
-        table(groups * PANEL), ahead(rows.one_pass ? PREFETCH_ONE_PASS : PREFETCH_PASSES), codes(data + p0 * panel_bytes), scales(scale + p0 * table),
-        offsets(offset + p0 * table), x_codes(rows.codes.data() + m0 * K), steps(rows.steps.data() + m0 * blocks),
+        table(groups * PANEL), ahead(rows.one_pass ? PREFETCH_ONE_PASS : PREFETCH_PASSES),
+        codes(data + p0 * panel_bytes), scales(scale + p0 * table), offsets(offset + p0 * table), x_codes(rows.codes.data() + m0 * K), steps(rows.steps.data() + m0 * blocks),
         sums(rows.sums.data() + m0 / TERMS * groups) {}
 
   // panel t's codes of block b, and its 8 scales or offsets of group g

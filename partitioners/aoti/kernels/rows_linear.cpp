@@ -21,7 +21,6 @@
 // The instruction set is the compiled package's (the build passes inductor's
 // own -m flags); the tiles are sized by its vector registers (vec.h).
 
-#include <cpuid.h>
 #include <omp.h>
 
 #include <vector>
@@ -152,29 +151,22 @@ static inline void tile_dot(const uint16_t* x, int64_t ldx, const uint16_t* w, i
   for (int i = 0; i < MR; i++)
     for (int j = 0; j < NR; j++) out[i * N + j] = D::sum(acc[i][j]);
 }
+// whether this CPU runs 512-bit vdpbf16ps tiles faster than 256-bit ones
+// over WIDE_FROM rows or more: not on AMD's Zen 4 (family 19h), which
+// executes a 512-bit instruction as two 256-bit halves. There the 256-bit
+// tiles ran every linear of a SmolLM2 bf16 step from memory 1.06 x faster at
+// 4 rows, 1.2-1.28 x at 8 and 1.31 x at 16 (a scratch A/B, both builds in one
+// process, alternating)
+static inline bool wide_tiles() { return !__builtin_cpu_is("amdfam19h"); }
 constexpr bool DOT = true;
 #else
+static inline bool wide_tiles() { return false; }
 struct Dot256 {};
 struct Dot512 {};
 template <typename D, int MR, int NR>
 static inline void tile_dot(const uint16_t*, int64_t, const uint16_t*, int64_t, float*, int64_t) {}
 constexpr bool DOT = false;
 #endif
-
-// whether this CPU runs 512-bit vdpbf16ps tiles faster than 256-bit ones
-// over WIDE_FROM rows or more: not on AMD's Zen 4 (family 25), which
-// executes a 512-bit instruction as two 256-bit halves. There the 256-bit
-// tiles ran every linear of a SmolLM2 bf16 step from memory 1.06 x faster at
-// 4 rows, 1.2-1.28 x at 8 and 1.31 x at 16 (a scratch A/B, both builds in one
-// process, alternating)
-static bool wide_tiles() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid(0, &a, &b, &c, &d) || b != 0x68747541)  // "Auth" of AuthenticAMD
-    return true;
-  __get_cpuid(1, &a, &b, &c, &d);
-  const unsigned base = (a >> 8) & 0xf, family = base + (base == 0xf ? (a >> 20) & 0xff : 0);
-  return family > 25;
-}
 
 // MR rows of x by weight rows [n0, n1) in vdpbf16ps tiles of D's width
 template <typename D, int MR>
