@@ -548,6 +548,60 @@ def test_every_kernel_build_keeps_its_prefetches(isa):
         assert "prefetcht1" in code, f"{name} lost its prefetches"
 
 
+PRODUCT = re.compile(r"\b(vfmadd\w+|vdpbf16ps|vpdpbusds?|vpmaddubsw)\b")
+STACK_STORE = re.compile(r"\bvmov\w*\s+%[yz]mm\d+,\s*(-?0x[0-9a-f]+)?\(%rsp\)")
+BACKWARD_JUMP = re.compile(r"^\s*([0-9a-f]+):\s+j\w+\s+([0-9a-f]+) <")
+
+
+def hot_loops(code: str) -> dict[str, list[str]]:
+    """Per function of an objdump listing, its hot loop: of the innermost
+    loops (a backward jump's span that holds no other), the one densest in
+    vector products. Empty where a function has none."""
+    loops = {}
+    for listing in code.split("\n\n"):
+        name, *lines = listing.strip().splitlines() or [""]
+        at = [int(line.split(":")[0], 16) for line in lines]
+        spans = [(int(m.group(2), 16), int(m.group(1), 16)) for line in lines if (m := BACKWARD_JUMP.match(line))]
+        spans = [(lo, hi) for lo, hi in spans if at and at[0] <= lo < hi]
+        inner = [s for s in spans if not any(o != s and s[0] <= o[0] and o[1] <= s[1] for o in spans)]
+        bodies = [[line for a, line in zip(at, lines) if lo <= a <= hi] for lo, hi in inner]
+        density = lambda body: sum(bool(PRODUCT.search(line)) for line in body) / len(body)  # noqa: E731
+        loops[name] = max(bodies, key=density, default=[])
+    return loops
+
+
+# int8_linear's maddubs build is left out: its tiles of 8 code rows spill for want of registers (about 0.6 stores a
+# product in its hot loops), which its tile sizes were measured with
+REGISTER_TILES = ("rows_linear", "rows_linear_bf16_dot", "int8_linear_vnni", "packed_linear", "masked_attention")
+
+
+def test_register_tiles_stay_in_registers(isa):
+    """A register tile's accumulators stay in registers across its hot loop.
+    Once a loop that GCC cannot unroll indexes them, or an asm statement
+    may read memory they could be in, GCC keeps them in memory too and
+    stores each one every step: one store for each FMA, results unchanged,
+    8-row products 1.6-1.8 x slower. Only the machine code shows it."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("objdump"):
+        pytest.skip("objdump (binutils) is not installed")
+    objects = build._build("objects", isa)
+    checked = 0
+    for _, _, name in build._units(isa):
+        if name not in REGISTER_TILES:
+            continue
+        code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(objects / f"{name}.o")], capture_output=True,
+                              text=True).stdout
+        for function, loop in hot_loops(code).items():
+            products = sum(bool(PRODUCT.search(line)) for line in loop)
+            stores = sum(bool(STACK_STORE.search(line)) for line in loop)
+            if products >= 4:
+                checked += 1
+                assert stores * 4 <= products, f"{name}: {function} stores {stores} vectors to the stack a step for {products} products"
+    assert checked >= 10
+
+
 @pytest.mark.parametrize("bits,terms", [(4, 1), (8, 1), (4, 2)])
 def test_the_int8_kernel_runs_vnni_where_the_cpu_has_it(isa, shims, bits, terms):
     """Both builds sum the same integers: with 4-bit codes, the same bits

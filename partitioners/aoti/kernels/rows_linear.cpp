@@ -23,6 +23,7 @@
 
 #include <omp.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -37,11 +38,14 @@ constexpr int64_t PREFETCH_ROWS = 8;  // how far ahead the weight rows are fetch
 // runs, a SmolLM2 step's products), it was 8-22% faster with AVX-512 code and
 // with AVX2 code, and bf16 tiles were 1.4-1.7 x faster with it.
 constexpr int64_t BAND = 64;           // weight rows a thread takes at a time
-// vdpbf16ps tiles of this many rows or more take 512-bit vectors (32
-// products an instruction) where wide_tiles() says they pay. Over 8 rows of a
-// SmolLM2 step's products they ran 1.26 x faster than 256-bit ones on an Intel
-// Xeon with AVX512-BF16 (18.0 against 22.7 ms), and no faster over one row,
-// where the reads bound the step.
+// vdpbf16ps tiles of this many rows or more take 512-bit vectors: 32 products
+// an instruction. Over every linear of a SmolLM2 bf16 step (a scratch A/B,
+// both builds in one process, alternating) they ran on Zen 4, which splits a
+// 512-bit instruction in two, 0.83-0.92 x the time of 256-bit tiles at 4-6
+// rows with the weights in cache and 0.92-0.98 x at 8-16 rows from memory
+// (1.01-1.03 x at 4-6 rows from memory); over one row the reads bound the step.
+// (An earlier A/B that kept Zen 4 on 256-bit tiles timed both with every
+// accumulator stored at every step, which vec.h's prefetch_l2 now avoids.)
 constexpr int WIDE_FROM = 4;
 // Rows a tile takes at most: 8, whose weight row is then loaded once for 8
 // FMAs. With 16 registers that leaves one weight row a tile (8 accumulators,
@@ -56,7 +60,11 @@ constexpr int weight_rows() {
   return MR == 1 ? 8 : ((REGISTERS - 2) / (MR + 1) > 8 ? 8 : (REGISTERS - 2) / (MR + 1));
 }
 
-// MR rows of x (stride ldx) by NR rows of w (stride K) into out (stride N)
+// MR rows of x (stride ldx) by NR rows of w (stride K) into out (stride N).
+// Every loop over the accumulators is unrolled, the tail's and the sums' too:
+// with the sums' loop rolled, GCC keeps the tile in memory as well, stores it
+// after the products and reads it back for the sums (8 rows of a bf16 step's
+// products ran 1.16 x slower in cache, 1.06 x from memory)
 template <int MR, int NR, typename TX, typename TW>
 static inline void tile(const TX* x, int64_t ldx, const TW* w, int64_t K, float* out, int64_t N) {
   vec acc[MR][NR];
@@ -80,13 +88,18 @@ static inline void tile(const TX* x, int64_t ldx, const TW* w, int64_t K, float*
   if (k < K) {
     const int rest = (int)(K - k);
     vec wv[NR];
+#pragma GCC unroll 8
     for (int j = 0; j < NR; j++) wv[j] = load_first(w + j * K + k, rest);
+#pragma GCC unroll 8
     for (int i = 0; i < MR; i++) {
       vec xv = load_first(x + i * ldx + k, rest);
+#pragma GCC unroll 8
       for (int j = 0; j < NR; j++) acc[i][j] = fma(xv, wv[j], acc[i][j]);
     }
   }
+#pragma GCC unroll 8
   for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
     for (int j = 0; j < NR; j++) out[i * N + j] = total(acc[i][j]);
 }
 
@@ -142,25 +155,22 @@ static inline void tile_dot(const uint16_t* x, int64_t ldx, const uint16_t* w, i
   }
   if (k < K) {
     typename D::pairs wv[NR];
+#pragma GCC unroll 8
     for (int j = 0; j < NR; j++) wv[j] = D::first(w + j * K + k, K - k);
+#pragma GCC unroll 8
     for (int i = 0; i < MR; i++) {
       const typename D::pairs xv = D::first(x + i * ldx + k, K - k);
+#pragma GCC unroll 8
       for (int j = 0; j < NR; j++) acc[i][j] = D::dot(acc[i][j], xv, wv[j]);
     }
   }
+#pragma GCC unroll 8
   for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
     for (int j = 0; j < NR; j++) out[i * N + j] = D::sum(acc[i][j]);
 }
-// whether this CPU runs 512-bit vdpbf16ps tiles faster than 256-bit ones
-// over WIDE_FROM rows or more: not on AMD's Zen 4 (family 19h), which
-// executes a 512-bit instruction as two 256-bit halves. There the 256-bit
-// tiles ran every linear of a SmolLM2 bf16 step from memory 1.06 x faster at
-// 4 rows, 1.2-1.28 x at 8 and 1.31 x at 16 (a scratch A/B, both builds in one
-// process, alternating)
-static inline bool wide_tiles() { return !__builtin_cpu_is("amdfam19h"); }
 constexpr bool DOT = true;
 #else
-static inline bool wide_tiles() { return false; }
 struct Dot256 {};
 struct Dot512 {};
 template <typename D, int MR, int NR>
@@ -182,11 +192,7 @@ static void dot_band(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t 
 template <int MR, typename TX, typename TW>
 static void band(const TX* x, int64_t ldx, const TW* w, int64_t K, float* out, int64_t N, int64_t n0, int64_t n1) {
   if constexpr (DOT && sizeof(TX) == 2) {
-    if constexpr (MR >= WIDE_FROM) {
-      static const bool wide = wide_tiles();
-      if (wide) return dot_band<Dot512, MR>(x, ldx, w, K, out, N, n0, n1);
-    }
-    dot_band<Dot256, MR>(x, ldx, w, K, out, N, n0, n1);
+    dot_band<std::conditional_t<MR >= WIDE_FROM, Dot512, Dot256>, MR>(x, ldx, w, K, out, N, n0, n1);
   } else {
     constexpr int NR = weight_rows<MR>();
     int64_t n = n0;
