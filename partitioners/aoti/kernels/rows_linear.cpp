@@ -43,7 +43,7 @@ constexpr int64_t BAND = 64;           // weight rows a thread takes at a time
 // both builds in one process, alternating) they ran on Zen 4, which splits a
 // 512-bit instruction in two, 0.83-0.92 x the time of 256-bit tiles at 4-6
 // rows with the weights in cache and 0.92-0.98 x at 8-16 rows from memory
-// (1.01-1.03 x at 4-6 rows from memory); over one row the reads bound the step.
+// (1.01-1.04 x at 4-6 rows from memory); over one row the reads bound the step.
 // (An earlier A/B that kept Zen 4 on 256-bit tiles timed both with every
 // accumulator stored at every step, which vec.h's prefetch_l2 now avoids.)
 constexpr int WIDE_FROM = 4;
