@@ -178,24 +178,16 @@ static inline void tile_dot(const uint16_t*, int64_t, const uint16_t*, int64_t, 
 constexpr bool DOT = false;
 #endif
 
-// MR rows of x by weight rows [n0, n1) in vdpbf16ps tiles of D's width
-template <typename D, int MR>
-static void dot_band(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, float* out, int64_t N, int64_t n0,
-                     int64_t n1) {
-  constexpr int NR = weight_rows<MR>();
-  int64_t n = n0;
-  for (; n + NR <= n1; n += NR) tile_dot<D, MR, NR>(x, ldx, w + n * K, K, out + n, N);
-  for (; n < n1; n++) tile_dot<D, MR, 1>(x, ldx, w + n * K, K, out + n, N);
-}
-
 // MR rows of x by weight rows [n0, n1)
 template <int MR, typename TX, typename TW>
 static void band(const TX* x, int64_t ldx, const TW* w, int64_t K, float* out, int64_t N, int64_t n0, int64_t n1) {
+  constexpr int NR = weight_rows<MR>();
+  int64_t n = n0;
   if constexpr (DOT && sizeof(TX) == 2) {
-    dot_band<std::conditional_t<MR >= WIDE_FROM, Dot512, Dot256>, MR>(x, ldx, w, K, out, N, n0, n1);
+    typedef std::conditional_t<MR >= WIDE_FROM, Dot512, Dot256> D;
+    for (; n + NR <= n1; n += NR) tile_dot<D, MR, NR>(x, ldx, w + n * K, K, out + n, N);
+    for (; n < n1; n++) tile_dot<D, MR, 1>(x, ldx, w + n * K, K, out + n, N);
   } else {
-    constexpr int NR = weight_rows<MR>();
-    int64_t n = n0;
     for (; n + NR <= n1; n += NR) tile<MR, NR>(x, ldx, w + n * K, K, out + n, N);
     for (; n < n1; n++) tile<MR, 1>(x, ldx, w + n * K, K, out + n, N);
   }
