@@ -176,12 +176,14 @@ constexpr float SHIFT_8BIT = VNNI ? 0.0f : 128.0f;
 inline vec load8(const float* p) { return load(p); }
 inline vec load8(const uint16_t* p) { return load_half(p); }
 
-// a sum of the maddubs products, held where GCC cannot see into it, so each
-// row's products are added as they come: without it GCC computed a block's
-// products for every row (64 with 8 rows of 8-bit codes) before adding any,
-// and kept most of them and the tile's accumulators on the stack (8 rows ran
-// 1.08-1.14 x slower, both builds). VNNI sums in its own instruction.
-inline ivec in_order(ivec sum) {
+// acc + each lane's sums of maddubs' int16 pairs, held where GCC cannot see
+// into it, so each row's products are added as they come: without that GCC
+// computed a block's products for every row (64 with 8 rows of 8-bit codes)
+// before adding any, and kept most of them and the tile's accumulators on the
+// stack (8 rows ran 1.08-1.14 x slower, both builds). VNNI sums in its own
+// instruction.
+inline ivec add_pairs(ivec acc, ivec pairs) {
+  ivec sum = _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   __asm__("" : "+v"(sum));
   return sum;
 }
@@ -199,7 +201,7 @@ inline ivec dot_quad8(ivec acc, ivec w, ivec x) {
   return dot_u8s8(acc, w, x);
 #else  // |w| <= 128, |x| <= 127: maddubs' pairs stay within int16
   const ivec pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
-  return in_order(_mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))));
+  return add_pairs(acc, pairs);
 #endif
 }
 
@@ -287,7 +289,8 @@ struct Operands {
            int64_t groups)
       : blocks(K / BLOCK), groups(groups), per_group(K / BLOCK / groups), panel_bytes(K / BLOCK * BLOCK_BYTES),
         table(groups * PANEL), ahead(rows.one_pass ? PREFETCH_ONE_PASS : PREFETCH_PASSES),
-        codes(data + p0 * panel_bytes), scales(scale + p0 * table), offsets(offset + p0 * table), x_codes(rows.codes.data() + m0 * K), steps(rows.steps.data() + m0 * blocks),
+        codes(data + p0 * panel_bytes), scales(scale + p0 * table), offsets(offset + p0 * table),
+        x_codes(rows.codes.data() + m0 * K), steps(rows.steps.data() + m0 * blocks),
         sums(rows.sums.data() + m0 / TERMS * groups) {}
 
   // panel t's codes of block b, and its 8 scales or offsets of group g
@@ -371,7 +374,7 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
 #else
             // each int16 sums 4 products of codes <= 15 and |x| <= 127: at most 7620, no saturation
             const ivec pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, x[i]), _mm256_maddubs_epi16(high, xh[i]));
-            dots[i][t] = in_order(_mm256_add_epi32(dots[i][t], _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))));
+            dots[i][t] = add_pairs(dots[i][t], pairs);
 #endif
           }
         } else {
