@@ -532,19 +532,25 @@ def test_int8_linear_with_two_terms(isa, shims, bits, rows, out_features, width,
 INT8_PRODUCTS = {isa: ["maddubs", "vnni"] if build.has_vnni(isa) else ["maddubs"] for isa in ISAS}
 
 
-def test_every_kernel_build_keeps_its_prefetches(isa):
-    """The kernels stream weights a few rows ahead into L2; a compiler that
-    drops those fetches (GCC deletes a loop of _mm_prefetch alone) leaves
-    results unchanged and the products from memory 1.2 x slower, so only the
-    machine code shows it."""
+@pytest.fixture(scope="module")
+def disassembly(isa) -> dict[str, str]:
+    """Each kernel object of the isa's build, as objdump lists its code."""
     import shutil
     import subprocess
 
     if not shutil.which("objdump"):
         pytest.skip("objdump (binutils) is not installed")
     objects = build._build("objects", isa)
-    for _, _, name in build._units(isa):
-        code = subprocess.run(["objdump", "-d", str(objects / f"{name}.o")], capture_output=True, text=True).stdout
+    return {name: subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(objects / f"{name}.o")],
+                                 capture_output=True, text=True).stdout for _, _, name in build._units(isa)}
+
+
+def test_every_kernel_build_keeps_its_prefetches(disassembly):
+    """The kernels stream weights a few rows ahead into L2; a compiler that
+    drops those fetches (GCC deletes a loop of _mm_prefetch alone) leaves
+    results unchanged and the products from memory 1.2 x slower, so only the
+    machine code shows it."""
+    for name, code in disassembly.items():
         assert "prefetcht1" in code, f"{name} lost its prefetches"
 
 
@@ -570,7 +576,7 @@ def hot_loops(code: str) -> dict[str, list[str]]:
     return loops
 
 
-def test_register_tiles_stay_in_registers(isa):
+def test_register_tiles_stay_in_registers(disassembly):
     """In every kernel build, a register tile's accumulators stay in
     registers across its hot loop. Once a loop left rolled indexes them,
     and an asm statement may read memory they could be in, GCC keeps them
@@ -578,16 +584,8 @@ def test_register_tiles_stay_in_registers(isa):
     results unchanged, 8-row products 1.6-1.8 x slower (int8's maddubs
     build held most of a block's products so: 1.08-1.14 x). Only the
     machine code shows it."""
-    import shutil
-    import subprocess
-
-    if not shutil.which("objdump"):
-        pytest.skip("objdump (binutils) is not installed")
-    objects = build._build("objects", isa)
     checked = 0
-    for _, _, name in build._units(isa):
-        code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(objects / f"{name}.o")], capture_output=True,
-                              text=True).stdout
+    for name, code in disassembly.items():
         for function, loop in hot_loops(code).items():
             products = sum(bool(PRODUCT.search(line)) for line in loop)
             stores = sum(bool(STACK_STORE.search(line)) for line in loop)
