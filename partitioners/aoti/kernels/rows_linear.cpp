@@ -47,17 +47,24 @@ constexpr int64_t BAND = 64;           // weight rows a thread takes at a time
 // (An earlier A/B that kept Zen 4 on 256-bit tiles timed both with every
 // accumulator stored at every step, which vec.h's prefetch_l2 now avoids.)
 constexpr int WIDE_FROM = 4;
-// Rows a tile takes at most: 8, whose weight row is then loaded once for 8
-// FMAs. With 16 registers that leaves one weight row a tile (8 accumulators,
-// the x rows read from L1 as operands) where 4 rows took two and read the
-// band twice: an fp32 SmolLM2 package decoded 8 sessions 1.17 x faster on an
-// AVX2 AMD EPYC (README, "Tiles of 8 rows on AVX2"), one session as fast.
-constexpr int MR_MAX = 8;
+// Rows a tile takes at most: 8 with 32 registers (8 x 3 tiles), 4 with 16
+// (4 x 3: 12 accumulators, 3 weight rows and an x row fill the 16), where 8
+// rows take two passes over each band, the second from L2. 8 x 1 tiles, which
+// AVX2 took before, load their 8 x rows again for every weight row, from L2
+// once they outgrow L1 (8 rows of a 1B model's 2048 floats are 64 KB), and
+// keep only 8 accumulators in flight. Over a Llama 3.2 1B layer's products
+// from memory on a Zen 4 (bench/ab_kernels.py --isa avx2), 4 x 3 tiles took
+// 0.56-0.70 x the time of 8 x 1 ones at 8 and 16 rows, fp32 and bf16, and
+// 0.86 x the time of 4 x 2 ones at 4 bf16 rows (fp32: 1.04); over
+// SmolLM2-sized products 0.86-0.96 x at 8-16 rows. 8 x 1 tiles walking K in
+// L1-sized slices came to 0.57-0.70 x as well, but 4 x 3 ones beat them by
+// 1.10 x (fp32) and 1.29 x (bf16) at 8 rows.
+constexpr int MR_MAX = REGISTERS == 16 ? 4 : 8;
 
-// weight rows per tile: as many as leave registers for the loads
+// weight rows per tile: as many as leave a register for the x row
 template <int MR>
 constexpr int weight_rows() {
-  return MR == 1 ? 8 : ((REGISTERS - 2) / (MR + 1) > 8 ? 8 : (REGISTERS - 2) / (MR + 1));
+  return MR == 1 ? 8 : ((REGISTERS - 1) / (MR + 1) > 8 ? 8 : (REGISTERS - 1) / (MR + 1));
 }
 
 // MR rows of x (stride ldx) by NR rows of w (stride K) into out (stride N).

@@ -1,0 +1,130 @@
+"""The row kernel (kernels/rows_linear.cpp) as another revision built it
+against the working tree's, alternated in one process over a model shape's
+linears from memory: each revision's kernels are built from that
+revision's sources with today's flags, and each round times both on the
+same operands, the order flipped every round.
+
+    python bench/ab_kernels.py --base HEAD~1 [--isa avx2] [--shape llama3.2-1b] [--rows 1,4,8] [--dtype fp32,bf16]
+
+Reports, per row count and dtype, each build's median time over the
+layers, the rate it reads the weights at, the median of the per-round
+ratios (working tree over base: below 1 is faster) and whether both builds
+give the same bits. `--isa avx2` builds AVX2 code on an AVX-512 machine;
+the bf16 products are the build's own (vdpbf16ps where the CPU and the
+build have it, the shift otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from big_model import SHAPES
+from common import cpu_model, emit
+from kvexport.partitioners.aoti.kernels import build
+
+REPO = Path(__file__).resolve().parent.parent
+KERNELS = build.HERE.relative_to(REPO)
+
+
+def linear_shapes(shape: str) -> list[tuple[int, int]]:
+    """A decoder layer's products, (out, in): q/k/v and gate/up fused as the
+    aoti backend fuses them, then o and down."""
+    spec = SHAPES[shape]
+    hidden, heads, kv_heads = spec["hidden_size"], spec["num_attention_heads"], spec["num_key_value_heads"]
+    head_dim = spec.get("head_dim", hidden // heads)
+    return [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim), (2 * spec["intermediate_size"], hidden),
+            (hidden, spec["intermediate_size"])]
+
+
+def build_revision(revision: str, isa: str | None, out: Path) -> Path:
+    """The shared library of the kernels as `revision` wrote them, compiled
+    with the working tree's commands (its header: the C signatures must not
+    have changed between the two)."""
+    sources = out / "kernels"
+    sources.mkdir(parents=True)
+    for file in build.FILES:
+        path = (KERNELS / file.name).as_posix()
+        text = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{path}"], capture_output=True, text=True,
+                              check=True).stdout
+        (sources / file.name).write_text(text)
+    (out / "kernels.h").write_text(build.header())
+
+    def moved(command: list[str]) -> list[str]:
+        return [part.replace(str(build.HERE), str(sources)) for part in command]
+
+    for kind, objects in (("objects", None), ("shared", out)):
+        for command in build._commands(kind, isa, out, objects):
+            subprocess.run(moved(command), check=True, capture_output=True)
+    return out / f"lib{build.LIBRARY}.so"
+
+
+def entry(library: Path, dtype: str):
+    symbol = "kvexport_rows_linear" if dtype == "fp32" else "kvexport_rows_linear_bf16"
+    function = getattr(ctypes.CDLL(str(library)), symbol)
+    function.restype = None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
+    return function
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="HEAD", help="the git revision to compare the working tree's kernels with")
+    parser.add_argument("--isa", choices=build.ISAS, default=None, help="instruction set (default: inductor's here)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3.2-1b")
+    parser.add_argument("--rows", default="1,4,8")
+    parser.add_argument("--dtype", default="fp32,bf16")
+    parser.add_argument("--layers", type=int, default=8, help="layers' weights walked a round (more than the caches hold)")
+    parser.add_argument("--rounds", type=int, default=12)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as scratch:
+        libraries = {"base": build_revision(args.base, args.isa, Path(scratch)),
+                     "tree": build._build("shared", args.isa) / f"lib{build.LIBRARY}.so"}
+        shapes = linear_shapes(args.shape)
+        results = []
+        for dtype in args.dtype.split(","):
+            torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+            calls = {name: entry(library, dtype) for name, library in libraries.items()}
+            weights = [torch.randn(shape).to(torch_dtype) for _ in range(args.layers) for shape in shapes]
+            weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+            width = max(k for _, k in shapes)
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(rows, width).to(torch_dtype)
+                outs = {name: [torch.empty(rows, w.shape[0]) for w in weights] for name in calls}
+
+                def run(name: str) -> float:
+                    start = time.perf_counter()
+                    for w, out in zip(weights, outs[name]):
+                        calls[name](x.data_ptr(), width, w.data_ptr(), out.data_ptr(), rows, w.shape[0], w.shape[1])
+                    return time.perf_counter() - start
+
+                times = {name: [] for name in calls}
+                for name in calls:
+                    run(name)
+                for round_ in range(args.rounds):
+                    for name in (list(calls) if round_ % 2 == 0 else list(reversed(list(calls)))):
+                        times[name].append(run(name))
+                medians = {name: statistics.median(t) for name, t in times.items()}
+                results.append({
+                    "dtype": dtype, "rows": rows,
+                    **{f"{name}_ms": round(m * 1e3, 2) for name, m in medians.items()},
+                    **{f"{name}_gbps": round(weight_bytes / m / 1e9, 1) for name, m in medians.items()},
+                    "tree_over_base": round(statistics.median(t / b for t, b in zip(times["tree"], times["base"])), 3),
+                    "same_bits": all(torch.equal(a, b) for a, b in zip(outs["base"], outs["tree"])),
+                })
+                print(results[-1], flush=True)
+            del weights
+    emit({"cpu": cpu_model(), "isa": args.isa or build._isa(), "shape": args.shape, "base": args.base,
+          "layers": args.layers, "rounds": args.rounds, "results": results})
+
+
+if __name__ == "__main__":
+    main()
