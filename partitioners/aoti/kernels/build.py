@@ -182,13 +182,16 @@ def _cpu_has(flag: str) -> bool:
         return False
 
 
-def dynamic_int8_bits(isa: str | None = None) -> tuple[int, ...]:
-    """The code widths whose int8 products over many rows (prefill slices)
-    the int8 kernel computes faster than the BLAS in fp32 here: 4-bit codes
-    always, 8-bit ones with VNNI (maddubs' int16 sums cannot take 8-bit
-    codes as they are, and its workaround costs as much as fp32 FMAs;
-    bench/packed_kernel.py --rows 512)."""
-    return (4, 8) if has_vnni(isa) else (4,)
+# The code widths whose int8 products over a row count known only at run
+# time (prefill slices) take the int8 kernel: 4-bit and 8-bit codes, with
+# VNNI or without it. Without VNNI, 8-bit codes once went to the stored
+# form (the weight dequantized to fp32 each call, then the BLAS): maddubs
+# takes them through the sign trick, then measured as dear as fp32 FMAs.
+# After the kernel's later changes, 8w packages of AVX2 code on a Zen 4 took
+# their 512-token prompts 1.4-1.6 x as fast through the kernel (SmolLM2 and
+# the 1B shape, `python bench/prefill.py`, alternated; README, "8-bit
+# prompts without VNNI").
+DYNAMIC_INT8_BITS = (4, 8)
 
 
 def int8_linear(x, data, scale, offset, bits: int, terms: int = 1, out=None, isa: str | None = None, products: str = ""):

@@ -16,11 +16,11 @@ def compile_passes(kernel_rows: tuple[int, ...], packed_rows: tuple[int, ...] = 
     with bf16_every_row_count) and attention over attention_rows."""
     passes: list[Pass] = []
     if packed_rows:
-        from kvexport.partitioners.aoti.kernels.build import dynamic_int8_bits
+        from kvexport.partitioners.aoti.kernels.build import DYNAMIC_INT8_BITS
         from kvexport.partitioners.aoti.passes.int8_linear import Int8LinearPass
         from kvexport.partitioners.aoti.passes.packed_linear import PackedLinearPass
 
-        passes += [Int8LinearPass(packed_rows, dynamic_int8_bits()), PackedLinearPass(packed_rows)]
+        passes += [Int8LinearPass(packed_rows, DYNAMIC_INT8_BITS), PackedLinearPass(packed_rows)]
     if kernel_rows or bf16_every_row_count:
         from kvexport.partitioners.aoti.passes.rows_linear import RowsLinearPass
 
