@@ -188,9 +188,9 @@ def _cpu_has(flag: str) -> bool:
 # form (the weight dequantized to fp32 each call, then the BLAS): maddubs
 # takes them through the sign trick, then measured as dear as fp32 FMAs.
 # After the kernel's later changes, 8w packages of AVX2 code on a Zen 4 took
-# their 512-token prompts 1.4-1.6 x as fast through the kernel (SmolLM2 and
-# the 1B shape, `python bench/prefill.py`, alternated; README, "8-bit
-# prompts without VNNI").
+# their 512-token prompts 1.3-1.6 x (SmolLM2) and 1.6 x (the 1B shape) as
+# fast through the kernel (`python bench/prefill.py`, alternated; README,
+# "8-bit prompts without VNNI").
 DYNAMIC_INT8_BITS = (4, 8)
 
 
