@@ -57,8 +57,8 @@ constexpr int WIDE_FROM = 4;
 // 0.56-0.70 x the time of 8 x 1 ones at 8 and 16 rows, fp32 and bf16, and
 // 0.86 x the time of 4 x 2 ones at 4 bf16 rows (fp32: 1.04); over
 // SmolLM2-sized products 0.86-0.96 x at 8-16 rows. 8 x 1 tiles walking K in
-// L1-sized slices came to 0.57-0.70 x as well, but 4 x 3 ones beat them by
-// 1.10 x (fp32) and 1.29 x (bf16) at 8 rows.
+// L1-sized slices took 0.57-0.67 x for fp32 (0.91-1.00 x for bf16), and 4 x 3
+// ones beat them by 1.10 x (fp32) and 1.29 x (bf16) at 8 rows.
 constexpr int MR_MAX = REGISTERS == 16 ? 4 : 8;
 
 // weight rows per tile: as many as leave a register for the x row
