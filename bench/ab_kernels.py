@@ -29,6 +29,7 @@ import torch
 from big_model import SHAPES
 from common import cpu_model, emit
 from kvexport.partitioners.aoti.kernels import build
+from kvexport.partitioners.aoti.kernels.signatures import ROWS_LINEAR, ROWS_LINEAR_BF16
 
 REPO = Path(__file__).resolve().parent.parent
 KERNELS = build.HERE.relative_to(REPO)
@@ -67,10 +68,10 @@ def build_revision(revision: str, isa: str | None, out: Path) -> Path:
 
 
 def entry(library: Path, dtype: str):
-    symbol = "kvexport_rows_linear" if dtype == "fp32" else "kvexport_rows_linear_bf16"
-    function = getattr(ctypes.CDLL(str(library)), symbol)
-    function.restype = None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3
+    """The row kernel's fp32 or bf16 entry in `library`, typed by its declared signature."""
+    kernel = ROWS_LINEAR if dtype == "fp32" else ROWS_LINEAR_BF16
+    function = getattr(ctypes.CDLL(str(library)), kernel.symbol)
+    function.argtypes, function.restype = kernel.argtypes(), None
     return function
 
 
