@@ -57,7 +57,7 @@ def key(job, configs: dict) -> str:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     from kvexport.contract.safetensors_io import read_header
-    from kvexport.partitioners.aoti.kernels.build import DYNAMIC_INT8_BITS, compiler_version
+    from kvexport.partitioners.aoti.kernels.build import compiler_version
 
     digest = hashlib.sha256()
 
@@ -68,8 +68,7 @@ def key(job, configs: dict) -> str:
     part(FORMAT, job.method, job.threads, job.inputs, job.device, list(job.state), list(job.kernel_rows), list(job.packed_rows),
          list(job.attention_rows), job.bf16_every_row_count,
          job.kernel_archive.name if job.kernel_archive else None, {k: repr(v) for k, v in sorted(configs.items())}, torch.__version__,
-         str(pick_vec_isa()), os.environ.get("ATEN_CPU_CAPABILITY"), compiler, compiler_version(compiler), _code_digest(),
-         DYNAMIC_INT8_BITS if job.packed_rows else None)
+         str(pick_vec_isa()), os.environ.get("ATEN_CPU_CAPABILITY"), compiler, compiler_version(compiler), _code_digest())
     digest.update(gzip.decompress(job.graph.read_bytes()))
     ranges, _ = read_header(job.weights)
     parameters = set(job.bindings["parameters"])
