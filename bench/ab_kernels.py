@@ -5,6 +5,12 @@ revision's sources with today's flags, and each round times both on the
 same operands, the order flipped every round.
 
     python bench/ab_kernels.py --base HEAD~1 [--isa avx2] [--shape llama3.2-1b] [--rows 1,4,8] [--dtype fp32,bf16]
+    python bench/ab_kernels.py --base HEAD~1 --shim --rows 512 --dtype bf16 --layers 2 --rounds 6
+
+`--shim` calls each build's C shim on tensors, as compiled code calls it,
+instead of the kernel's entry: from 128 rows its bf16 products widen their
+operands for torch's fp32 GEMM (shims.cpp), which is where a prefill
+slice's bf16 products run on a CPU without AVX-512.
 
 Reports, per row count and dtype, each build's median time over the
 layers, the rate it reads the weights at, the median of the per-round
@@ -45,10 +51,11 @@ def linear_shapes(shape: str) -> list[tuple[int, int]]:
             (hidden, spec["intermediate_size"])]
 
 
-def build_revision(revision: str, isa: str | None, out: Path) -> Path:
-    """The shared library of the kernels as `revision` wrote them, compiled
-    with the working tree's commands (its header: the C signatures must not
-    have changed between the two)."""
+def build_revision(revision: str, isa: str | None, out: Path, kind: str = "shared") -> Path:
+    """The shared library of the kernels (`kind` "shared") or of kernels and
+    shims ("shims") as `revision` wrote them, compiled with the working
+    tree's commands (its header: the C signatures must not have changed
+    between the two)."""
     sources = out / "kernels"
     sources.mkdir(parents=True)
     for file in build.FILES:
@@ -61,10 +68,10 @@ def build_revision(revision: str, isa: str | None, out: Path) -> Path:
     def moved(command: list[str]) -> list[str]:
         return [part.replace(str(build.HERE), str(sources)) for part in command]
 
-    for kind, objects in (("objects", None), ("shared", out)):
-        for command in build._commands(kind, isa, out, objects):
+    for step, objects in (("objects", None), (kind, out)):
+        for command in build._commands(step, isa, out, objects):
             subprocess.run(moved(command), check=True, capture_output=True)
-    return out / f"lib{build.LIBRARY}.so"
+    return out / (f"lib{build.LIBRARY}.so" if kind == "shared" else f"lib{build.LIBRARY}_shims.so")
 
 
 def entry(library: Path, dtype: str):
@@ -73,6 +80,12 @@ def entry(library: Path, dtype: str):
     function = getattr(ctypes.CDLL(str(library)), kernel.symbol)
     function.argtypes, function.restype = kernel.argtypes(), None
     return function
+
+
+def shim(library: Path):
+    """rows_linear's shim in `library`, called on tensors."""
+    shims = build.Shims(library=library)
+    return lambda x, weight: shims.call("rows_linear", x, weight)
 
 
 def main() -> None:
@@ -84,16 +97,21 @@ def main() -> None:
     parser.add_argument("--dtype", default="fp32,bf16")
     parser.add_argument("--layers", type=int, default=8, help="layers' weights walked a round (more than the caches hold)")
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--shim", action="store_true", help="call the C shim on tensors, as compiled code does")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as scratch:
-        libraries = {"base": build_revision(args.base, args.isa, Path(scratch)),
-                     "tree": build._build("shared", args.isa) / f"lib{build.LIBRARY}.so"}
+        if args.shim:
+            libraries = {"base": build_revision(args.base, args.isa, Path(scratch), "shims"),
+                         "tree": build.shims_library(args.isa)}
+        else:
+            libraries = {"base": build_revision(args.base, args.isa, Path(scratch)),
+                         "tree": build._build("shared", args.isa) / f"lib{build.LIBRARY}.so"}
         shapes = linear_shapes(args.shape)
         results = []
         for dtype in args.dtype.split(","):
             torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-            calls = {name: entry(library, dtype) for name, library in libraries.items()}
+            calls = {name: shim(library) if args.shim else entry(library, dtype) for name, library in libraries.items()}
             weights = [torch.randn(shape).to(torch_dtype) for _ in range(args.layers) for shape in shapes]
             weight_bytes = sum(w.numel() * w.element_size() for w in weights)
             width = max(k for _, k in shapes)
@@ -103,8 +121,11 @@ def main() -> None:
 
                 def run(name: str) -> float:
                     start = time.perf_counter()
-                    for w, out in zip(weights, outs[name]):
-                        calls[name](x.data_ptr(), width, w.data_ptr(), out.data_ptr(), rows, w.shape[0], w.shape[1])
+                    if args.shim:  # each result is a new tensor (bf16 ones rounded), as compiled code gets it
+                        outs[name] = [calls[name](x[:, :w.shape[1]], w) for w in weights]
+                    else:
+                        for w, out in zip(weights, outs[name]):
+                            calls[name](x.data_ptr(), width, w.data_ptr(), out.data_ptr(), rows, w.shape[0], w.shape[1])
                     return time.perf_counter() - start
 
                 times = {name: [] for name in calls}
@@ -124,7 +145,7 @@ def main() -> None:
                 print(results[-1], flush=True)
             del weights
     emit({"cpu": cpu_model(), "isa": args.isa or build._isa(), "shape": args.shape, "base": args.base,
-          "layers": args.layers, "rounds": args.rounds, "results": results})
+          "entry": "shim" if args.shim else "kernel", "layers": args.layers, "rounds": args.rounds, "results": results})
 
 
 if __name__ == "__main__":

@@ -80,10 +80,12 @@ def test_rows_linear_reads_bf16(isa, shims, rows, out_features, width, row_strid
     assert torch.equal(got, build.rows_linear(x, weight, isa=isa).bfloat16())
 
 
-@pytest.mark.parametrize("rows,out_features,width,row_stride", [(128, 300, 1000, 0), (131, 17, 70, 90), (200, 600, 9, 0)])
+@pytest.mark.parametrize("rows,out_features,width,row_stride",
+                         [(128, 300, 1000, 0), (130, 300, 4100, 0), (131, 17, 70, 90), (200, 600, 9, 0)])
 def test_the_bf16_shim_takes_a_prefill_slices_rows_to_the_blas(isa, shims, rows, out_features, width, row_stride):
     """Over 128 rows or more the shim widens bf16 operands (the weight a
-    panel at a time: 300 rows of width 1000 are two panels) for torch's fp32
+    panel at a time: 300 rows of width 1000 are two panels, of width 4100
+    three of at least 128 rows, the last one short) for torch's fp32
     GEMM, each panel's product into its columns: the sums are fp32 sums of
     the exact products, rounded to bf16."""
     x, weight = rows_operands(rows, out_features, width, row_stride)

@@ -238,11 +238,12 @@ def shims_library(isa: str | None = None) -> Path:
 
 
 class Shims:
-    """The shims of one build (shims_library), called on tensors as a compiled
-    method's generated code calls them: for tests and benches."""
+    """The shims of one build (shims_library, or another build's `library`),
+    called on tensors as a compiled method's generated code calls them: for
+    tests and benches."""
 
-    def __init__(self, isa: str | None = None):
-        self.library = ctypes.CDLL(str(shims_library(isa)))
+    def __init__(self, isa: str | None = None, library: Path | None = None):
+        self.library = ctypes.CDLL(str(library or shims_library(isa)))
         api = ctypes.pythonapi
         api.PyCapsule_GetPointer.restype, api.PyCapsule_GetPointer.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
         api.PyCapsule_New.restype, api.PyCapsule_New.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]

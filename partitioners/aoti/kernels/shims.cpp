@@ -345,6 +345,10 @@ const char* attention_problem(const Operand* o) {
 // GFLOPS, the row kernel 88-95, torch's fp32 GEMM 127-167, its bf16 GEMM 19-21.
 constexpr int64_t BLAS_MIN_ROWS = 128;
 constexpr int64_t PANEL_VALUES = 1 << 18;  // fp32 values of a widened weight panel (1 MB)
+// every panel's product packs all the rows again: panels narrower than this
+// spend more on that than they save in L2 (the 1B shape's down projection, K
+// 8192, had 32 columns and ran 0.75 x the rate of 128: bench/bf16_products.py)
+constexpr int64_t MIN_PANEL_COLUMNS = 128;
 
 void widen(const uint16_t* from, int64_t rows, int64_t width, int64_t stride, float* to) {
 #pragma omp parallel for
@@ -364,7 +368,7 @@ AOTITorchError view(float* data, int64_t rows, int64_t cols, int64_t row_stride,
 // bf16, on torch's fp32 GEMM: each panel's product into its columns of result
 AOTITorchError bf16_on_blas(const uint16_t* x, int64_t ldx, const uint16_t* w, float* result, int64_t M, int64_t N,
                             int64_t K) {
-  const int64_t P = std::min(N, std::max<int64_t>(16, PANEL_VALUES / K));
+  const int64_t P = std::min(N, std::max<int64_t>(MIN_PANEL_COLUMNS, PANEL_VALUES / K));
   std::unique_ptr<float[]> rows(new float[M * K]), panel(new float[P * K]);  // widened into: not zeroed first
   widen(x, M, K, ldx, rows.get());
   AtenTensorHandle a;
