@@ -117,13 +117,17 @@ def test_rows_over_several_passes_give_each_rows_own_sums(isa, rows, width, row_
 @pytest.mark.compile
 def test_the_bf16_kernel_runs_vdpbf16ps_where_the_cpu_has_it(isa):
     """The entry compiled code calls is the vdpbf16ps build on a CPU with
-    AVX512-BF16 (its sums in another order than the widened build's), else
-    the widened one."""
+    AVX512-BF16 (its sums in another order than the widened build's) from 3
+    rows, else the widened one; one and two rows, whose steps the weight's
+    reads bound, take the widened one everywhere (rows_linear.cpp)."""
     x, weight = (t.bfloat16() for t in rows_operands(5, 131, 96))
     entry = build.rows_linear(x, weight, isa=isa)
     assert torch.equal(entry, build.rows_linear(x, weight, isa=isa, products=BF16_PRODUCTS[isa][-1]))
     if len(BF16_PRODUCTS[isa]) == 2:
         assert not torch.equal(entry, build.rows_linear(x, weight, isa=isa, products="shift"))
+    for rows in (1, 2):
+        assert torch.equal(build.rows_linear(x[:rows], weight, isa=isa),
+                           build.rows_linear(x[:rows], weight, isa=isa, products="shift"))
 
 
 # ------------------------------------------------------ masked attention
