@@ -256,9 +256,10 @@ void kvexport_rows_linear_bf16_shift(const uint16_t* x, int64_t ldx, const uint1
 // the vdpbf16ps build where this CPU has it (and the package's build can hold
 // it) from this many rows; fewer take the shift. Over one and two rows, where
 // the weight's reads bound the step, the shift read a Llama 3.2 1B layer's
-// bf16 weights 1.06-1.13 x as fast on Zen 4 (AVX-512 code, both forms
-// alternated in one process); from 3 rows the two ran level, and from 4 the
-// dot products' 512-bit tiles won (1.12-1.48 x at 8 rows).
+// bf16 weights faster on a Zen 4 (AVX-512 code: 0.97 and 0.93 x the time,
+// bench/ab_kernels.py --rows 1,2,3 --dtype bf16); from 3 rows the two ran
+// level, and from 4 the dot products' 512-bit tiles won (1.2-1.5 x at 8 rows
+// in a scratch A/B of the two forms).
 constexpr int64_t DOT_FROM_ROWS = 3;
 
 void kvexport_rows_linear_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, float* out, int64_t M, int64_t N,

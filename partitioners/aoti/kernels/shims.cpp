@@ -346,8 +346,10 @@ const char* attention_problem(const Operand* o) {
 constexpr int64_t BLAS_MIN_ROWS = 128;
 constexpr int64_t PANEL_VALUES = 1 << 18;  // fp32 values of a widened weight panel (1 MB)
 // every panel's product packs all the rows again: panels narrower than this
-// spend more on that than they save in L2 (the 1B shape's down projection, K
-// 8192, had 32 columns and ran 0.75 x the rate of 128: bench/bf16_products.py)
+// spend more on that than they save in L2. The 1B shape's down projection (K
+// 8192) had panels of 32 rows; with 128 its products ran 1.26-1.36 x as fast on
+// a Zen 4 (AVX2 code, a scratch A/B), a layer's 0.94-0.97 x the time
+// (bench/ab_kernels.py --shim --rows 512 --dtype bf16 --isa avx2).
 constexpr int64_t MIN_PANEL_COLUMNS = 128;
 
 void widen(const uint16_t* from, int64_t rows, int64_t width, int64_t stride, float* to) {
