@@ -88,8 +88,8 @@ def rows_linear(x, weight, out=None, isa: str | None = None, products: str = "")
     """x [M, K] (unit stride along K) @ weight [N, K] (contiguous).T, both
     fp32 or both bf16, on the rows_linear kernel (built for `isa`, inductor's
     by default), into fp32 out [M, N] (contiguous) when given. products, for
-    bf16: "" as compiled code runs it (vdpbf16ps where the CPU has it),
-    "shift" or "dot" (see has_bf16_dot) for that build alone."""
+    bf16: "" as compiled code runs it (vdpbf16ps from 3 rows where the CPU
+    has it), "shift" or "dot" (see has_bf16_dot) for that build alone."""
     import torch
 
     (m, k), n = x.shape, weight.shape[0]
