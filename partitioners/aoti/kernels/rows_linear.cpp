@@ -14,9 +14,10 @@
 // bf16 products: widened in registers (a shift) and multiplied by fp32 FMAs,
 // 8 products an instruction; or, in this file's second build (KV_BF16, for
 // CPUs with AVX512-BF16, which the first build's entry calls from 3 rows
-// where the CPU has it), by vdpbf16ps: 16 products of bf16 pairs an instruction (32 in the
-// 512-bit tiles of 4 rows or more), each pair summed into an fp32 lane. Both products of bf16 values are exact in fp32;
-// the two builds differ only in the order of the fp32 sums.
+// where the CPU has it), by vdpbf16ps: 16 products of bf16 pairs an
+// instruction (32 in the 512-bit tiles of 4 rows or more), each pair summed
+// into an fp32 lane. Both products of bf16 values are exact in fp32; the two
+// builds differ only in the order of the fp32 sums.
 //
 // The instruction set is the compiled package's (the build passes inductor's
 // own -m flags); the tiles are sized by its vector registers (vec.h).

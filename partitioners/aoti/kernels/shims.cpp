@@ -337,7 +337,8 @@ const char* attention_problem(const Operand* o) {
 // Over a prefill slice's rows a bf16 product runs on torch's fp32 GEMM (the
 // BLAS's blocked products), its operands widened: the rows once, the weight a
 // panel at a time, small enough to stay in L2 between its widening and its
-// product. The row kernel reads the weight once, as a few rows want; over
+// product where the width allows (a panel holds at least MIN_PANEL_COLUMNS
+// weight rows, so over wide ones it outgrows L2). The row kernel reads the weight once, as a few rows want; over
 // many rows the BLAS's fp32 products run faster. Compiled code calls this shim
 // over such rows only where torch has no fast bf16 GEMM of its own (an AVX2
 // CPU: kernels/build.py, fast_bf16_gemm). bench/bf16_products.py, SmolLM2's
