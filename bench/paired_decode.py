@@ -1,9 +1,9 @@
-"""Batch-1 decode of a package and of llama.cpp on a GGUF of the same model,
-in short alternating turns, with the machine's read rate taken beside each
-turn: a comparison of two bandwidth-bound figures that a VM's memory speed
-cannot decide on its own.
+"""Decode of a package and of llama.cpp on a GGUF of the same model, at
+batch 1 or aggregated over several sessions, in short alternating turns,
+with the machine's read rate taken beside each turn: a comparison of two
+bandwidth-bound figures that a VM's memory speed cannot decide on its own.
 
-    python bench/paired_decode.py --package PKG --gguf FILE [--isa avx2] [--rounds 10]
+    python bench/paired_decode.py --package PKG --gguf FILE [--isa avx2] [--rounds 10] [--sessions 8]
 
 Why: on the 2-core AMD EPYC VM of the README's tables, two threads read
 memory at one of two rates, about 33 GB/s (what one thread reads alone) or
@@ -11,10 +11,12 @@ about 60, switching within one process every few to few tens of
 seconds (the `read_gbps` of the rounds below shows both). A batch-1 step reads
 every weight once, so a figure taken in one long run measures mostly which
 rate the run drew. Here each round runs `llama-bench -p 0 -n TOKENS -r 2`
-(its faster repeat), then TOKENS tokens of the package (bench/decode.py's
-best long run less its best one-token run, two of each), in turns whose
-order flips every round, and probes the read rate (a sum over 1 GiB, best
-of 3) before them. The medians and the median of the rounds' ratios are
+(its faster repeat; with `--sessions N`, `llama-batched-bench -npp 32
+-ntg TOKENS -npl N`, its generation rate), then TOKENS tokens of the
+package for as many sessions of 32-token prompts (bench/decode.py's best
+long run less its best one-token run, two of each), in turns whose order
+flips every round, and probes the read rate (a sum over 1 GiB, best of 3)
+before them. The medians and the median of the rounds' ratios are
 the comparison; the rounds show which rate each drew.
 
 `--isa avx2` runs llama.cpp's AVX2-only build and holds torch, oneDNN and
@@ -39,7 +41,7 @@ from decode import decode_seconds
 from llamacpp import ISA_ENV, VERSION, build
 from kvexport.exporter.sources.models import cache_dir
 
-PROMPT = list(range(5, 37))  # 32 tokens that every vocabulary holds
+PROMPT = 32  # tokens, ids from 5 up: every vocabulary holds them
 
 
 def read_gbps(buffer: torch.Tensor) -> float:
@@ -51,10 +53,18 @@ def read_gbps(buffer: torch.Tensor) -> float:
     return buffer.numel() * buffer.element_size() / best / 1e9
 
 
-def llama_turn(binary: Path, gguf: Path, tokens: int, threads: int) -> float:
-    out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(tokens), "-r", "2",
-                          "-o", "json"], capture_output=True, text=True, check=True).stdout
-    return max(json.loads(out)[0]["samples_ts"])
+def llama_turn(binaries: Path, gguf: Path, tokens: int, threads: int, sessions: int) -> float:
+    """llama.cpp's decode tokens/s: batch 1 from llama-bench, several
+    sequences aggregated from llama-batched-bench."""
+    common = ["-m", str(gguf), "-t", str(threads)]
+    if sessions == 1:
+        out = subprocess.run([str(binaries / "llama-bench"), *common, "-p", "0", "-n", str(tokens), "-r", "2", "-o", "json"],
+                             capture_output=True, text=True, check=True).stdout
+        return max(json.loads(out)[0]["samples_ts"])
+    out = subprocess.run([str(binaries / "llama-batched-bench"), *common, "-c", "4096", "-b", "512", "-ub", "512",
+                          "-npp", str(PROMPT), "-ntg", str(tokens), "-npl", str(sessions), "--output-format", "jsonl"],
+                         capture_output=True, text=True, check=True).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")][-1]["speed_tg"]
 
 
 def main() -> None:
@@ -64,6 +74,7 @@ def main() -> None:
     parser.add_argument("--isa", default="native", choices=sorted(ISA_ENV))
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--sessions", type=int, default=1, help="sessions decoded together (tokens/s aggregated)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args()
     if args.isa != "native":
@@ -73,19 +84,20 @@ def main() -> None:
             os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **missing})
     from kvexport.runtime import generate, load
 
-    binary = build(cache_dir() / f"llama.cpp-{VERSION}", args.isa) / "llama-bench"
+    binaries = build(cache_dir() / f"llama.cpp-{VERSION}", args.isa)
     runtime = load(args.package)
+    prompts = [list(range(5 + s, 5 + s + PROMPT)) for s in range(args.sessions)]
 
     def ours(n: int) -> None:
-        generate(runtime, [PROMPT], n, stop_at_eos=False)
+        generate(runtime, prompts, n, stop_at_eos=False)
 
-    ours(3)  # builds the method a batch-1 step takes
+    ours(3)  # builds the methods these steps take
     probe = torch.ones(1 << 28)  # 1 GiB of fp32
     rounds = []
     for r in range(args.rounds):
         row = {"read_gbps": round(read_gbps(probe), 1)}
-        turns = [("llama.cpp", lambda: llama_turn(binary, args.gguf, args.tokens, args.threads)),
-                 ("kvexport", lambda: (args.tokens - 1) / decode_seconds(ours, args.tokens, 2))]
+        turns = [("llama.cpp", lambda: llama_turn(binaries, args.gguf, args.tokens, args.threads, args.sessions)),
+                 ("kvexport", lambda: args.sessions * (args.tokens - 1) / decode_seconds(ours, args.tokens, 2))]
         for name, turn in turns if r % 2 == 0 else turns[::-1]:
             row[name] = round(turn(), 2)
         row["ratio"] = round(row["kvexport"] / row["llama.cpp"], 3)
@@ -93,7 +105,7 @@ def main() -> None:
         print(json.dumps(row), file=sys.stderr, flush=True)
     median = {k: round(statistics.median(r[k] for r in rounds), 3) for k in ("llama.cpp", "kvexport", "ratio")}
     emit({"cpu": cpu_model(), "isa": args.isa, "package": str(args.package), "gguf": str(args.gguf),
-          "tokens": args.tokens, "threads": args.threads, "torch_threads": torch.get_num_threads(),
+          "tokens": args.tokens, "sessions": args.sessions, "threads": args.threads, "torch_threads": torch.get_num_threads(),
           "median_tokens_per_s": {"llama.cpp": median["llama.cpp"], "kvexport": median["kvexport"]},
           "median_ratio_of_rounds": median["ratio"],
           "ratio_of_medians": round(median["kvexport"] / median["llama.cpp"], 3), "rounds": rounds})
