@@ -15,8 +15,8 @@ rate the run drew. Here each round runs `llama-bench -p 0 -n TOKENS -r 2`
 -ntg TOKENS -npl N`, its generation rate), then TOKENS tokens of the
 package for as many sessions of 32-token prompts (bench/decode.py's best
 long run less its best one-token run, two of each), in turns whose order
-flips every round, and probes the read rate (a sum over 1 GiB, best of 3)
-before them. The medians and the median of the rounds' ratios are
+flips every round, and probes the read rate (a sum over 1 GiB, best of 3
+after a warm-up) before them. The medians and the median of the rounds' ratios are
 the comparison; the rounds show which rate each drew.
 
 `--isa avx2` runs llama.cpp's AVX2-only build and holds torch, oneDNN and
@@ -31,12 +31,11 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from common import cpu_model, emit
+from common import best_of, cpu_model, emit
 from decode import decode_seconds
 from llamacpp import ISA_ENV, VERSION, build
 from kvexport.exporter.sources.models import cache_dir
@@ -45,12 +44,7 @@ PROMPT = 32  # tokens, ids from 5 up: every vocabulary holds them
 
 
 def read_gbps(buffer: torch.Tensor) -> float:
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
-    return buffer.numel() * buffer.element_size() / best / 1e9
+    return buffer.numel() * buffer.element_size() / best_of(buffer.sum, 3) / 1e9
 
 
 def llama_turn(binaries: Path, gguf: Path, tokens: int, threads: int, sessions: int) -> float:

@@ -338,12 +338,13 @@ const char* attention_problem(const Operand* o) {
 // BLAS's blocked products), its operands widened: the rows once, the weight a
 // panel at a time, small enough to stay in L2 between its widening and its
 // product where the width allows (a panel holds at least MIN_PANEL_COLUMNS
-// weight rows, so over wide ones it outgrows L2). The row kernel reads the weight once, as a few rows want; over
-// many rows the BLAS's fp32 products run faster. Compiled code calls this shim
-// over such rows only where torch has no fast bf16 GEMM of its own (an AVX2
-// CPU: kernels/build.py, fast_bf16_gemm). bench/bf16_products.py, SmolLM2's
-// linears over 512 rows on an AMD EPYC (AVX2, no AVX-512): this shim 99-128
-// GFLOPS, the row kernel 88-95, torch's fp32 GEMM 127-167, its bf16 GEMM 19-21.
+// weight rows, so over wide ones it outgrows L2). The row kernel reads the
+// weight once, as a few rows want; over many rows the BLAS's fp32 products
+// run faster. Compiled code calls this shim over such rows only where torch
+// has no fast bf16 GEMM of its own (an AVX2 CPU: kernels/build.py,
+// fast_bf16_gemm). bench/bf16_products.py, SmolLM2's linears over 512 rows
+// on an AMD EPYC (AVX2, no AVX-512): this shim 99-128 GFLOPS, the row kernel
+// 88-95, torch's fp32 GEMM 127-167, its bf16 GEMM 19-21.
 constexpr int64_t BLAS_MIN_ROWS = 128;
 constexpr int64_t PANEL_VALUES = 1 << 18;  // fp32 values of a widened weight panel (1 MB)
 // every panel's product packs all the rows again: panels narrower than this
