@@ -2,7 +2,7 @@
 batch 1, 8 sequences aggregated, and a 512-token prompt, for llama.cpp F32,
 BF16, Q8_0 and Q4_0 and for the packages given.
 
-    python bench/llamacpp.py [--package fp32-aoti=PKG ...] [--model smollm2-135m] [--rounds 3]
+    python bench/llamacpp.py [--package fp32-aoti=PKG ...] [--model smollm2-135m] [--rounds 3] [--turns 6]
     python bench/llamacpp.py --shape llama3.2-1b [--export fp32,bf16,8w,4w] [--rounds 2]
     python bench/llamacpp.py --export fp32,bf16,8w,4w,gguf --isa avx2
 
@@ -33,6 +33,15 @@ refuses: a -march=native llama-bench died with SIGILL on Q8_0). `--omp-passive` 
 OMP_WAIT_POLICY=passive, which keeps its threads from spinning on a shared
 machine (and costs it speed on a quiet one). Each package is
 measured with bench/decode.py and bench/prefill.py in the same run.
+
+Then, with `--turns N` (default 6), each package's decode is measured again
+beside llama.cpp on the GGUF of its precision (fp32: F32, bf16: BF16, 8w:
+Q8_0, 4w: Q4_0, gguf: GGUF; by the label's first part), at batch 1 and over
+8 sessions, in N rounds of short alternating turns (bench/paired_decode.py):
+on a machine whose memory reads at two rates that switch within seconds
+(the README's "Batch 1 in alternating turns"), these medians compare the two
+tools, where the figures of one long run each mostly tell which rate each
+run drew. They go under each package's `turns`.
 """
 
 from __future__ import annotations
@@ -226,6 +235,25 @@ def ours(package: Path, model: str | None = None) -> dict:
             "hf_prefill_512_last_row": prefill["hf_forward_last_row_tokens_per_s"]}
 
 
+# the GGUF each package precision is measured beside in turns (a label's first part: 8w-int8x2 is 8w)
+TURNS_GGUF = {"fp32": "F32", "bf16": "BF16", "8w": "Q8_0", "4w": "Q4_0", "gguf": "GGUF"}
+
+
+def turns(package: Path, gguf: Path, isa: str, rounds: int, threads: int) -> dict:
+    """bench/paired_decode.py's medians for `package` beside `gguf`, at batch
+    1 and over 8 sessions: each tool's median tokens/s, the median of the
+    rounds' ratios, and the read rates the rounds began at."""
+    out = {}
+    for sessions, key in ((1, "batch1"), (8, "8_sequences")):
+        paired = json.loads(run([sys.executable, str(HERE / "paired_decode.py"), "--package", str(package), "--gguf",
+                                 str(gguf), "--isa", isa, "--rounds", str(rounds), "--sessions", str(sessions),
+                                 "--threads", str(threads)], cwd=HERE))
+        reads = [r["read_gbps"] for r in paired["rounds"]]
+        out[key] = {**paired["median_tokens_per_s"], "ratio": paired["median_ratio_of_rounds"],
+                    "read_gbps": [min(reads), max(reads)]}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -239,6 +267,9 @@ def main() -> None:
                         help="measure everything this many times, alternating llama.cpp and the packages, and keep "
                              "each figure's best: a VM's speed drifts within minutes, and one pass compares a fast "
                              "minute with a slow one")
+    parser.add_argument("--turns", type=int, default=6,
+                        help="rounds of alternating decode turns per package beside llama.cpp at its precision, at "
+                             "batch 1 and over 8 sessions (bench/paired_decode.py); 0 leaves them out")
     parser.add_argument("--isa", default="native", choices=sorted(ISAS),
                         help="avx2: llama.cpp built for AVX2 alone, and kvexport's packages exported and run with "
                              "ATEN_CPU_CAPABILITY=avx2 and oneDNN and MKL held to AVX2 (ISA_ENV): an AVX2 machine's "
@@ -267,6 +298,16 @@ def main() -> None:
                 keep_best(result.setdefault(label, {}), ours(Path(path), model if args.shape else None))
             except subprocess.CalledProcessError as e:  # one package failing leaves the others' figures
                 result.setdefault(label, {})["error"] = f"{Path(e.cmd[1]).name} exited with {e.returncode} (its stderr is above)"
+    for item in args.package if args.turns else []:
+        label, _, path = item.partition("=")
+        gguf = ggufs.get(TURNS_GGUF.get(label.split("-")[0], ""))
+        if gguf is None:
+            print(f"no turns for {label}: its precision is none of {', '.join(TURNS_GGUF)}", file=sys.stderr)
+            continue
+        try:
+            result.setdefault(label, {})["turns"] = turns(Path(path), gguf, args.isa, args.turns, args.threads)
+        except subprocess.CalledProcessError as e:
+            result.setdefault(label, {})["turns_error"] = f"paired_decode.py exited with {e.returncode} (its stderr is above)"
     emit(result)
 
 
