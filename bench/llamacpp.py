@@ -212,11 +212,18 @@ def llama_rates(binaries: Path, gguf: Path, threads: int, passive: bool) -> dict
     bench = json.loads(run([str(binaries / "llama-bench"), "-m", str(gguf), "-t", str(threads),
                             "-p", "512", "-n", "64", "-r", "3", "-o", "json"], env=env))
     rates = {("prefill_512" if r["n_prompt"] else "decode_batch1"): round(r["avg_ts"], 1) for r in bench}
-    lines = run([str(binaries / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-c", "4096",
-                 "-b", "512", "-ub", "512", "-npp", "24", "-ntg", "64", "-npl", "8", "--output-format", "jsonl"], env=env)
-    batched = [json.loads(line) for line in lines.splitlines() if line.startswith("{")]
-    rates["decode_8_sequences"] = round(batched[-1]["speed_tg"], 1)
+    rates["decode_8_sequences"] = round(batched_generation(binaries, gguf, threads, 24, 64, 8, env=env), 1)
     return rates
+
+
+def batched_generation(binaries: Path, gguf: Path, threads: int, prompt: int, tokens: int, sequences: int,
+                       **kwargs) -> float:
+    """llama-batched-bench's generation tokens/s, aggregated over `sequences`
+    sequences of a `prompt`-token prompt generating `tokens` each (kwargs: run's)."""
+    lines = run([str(binaries / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-c", "4096", "-b", "512",
+                 "-ub", "512", "-npp", str(prompt), "-ntg", str(tokens), "-npl", str(sequences), "--output-format",
+                 "jsonl"], **kwargs)
+    return [json.loads(line) for line in lines.splitlines() if line.startswith("{")][-1]["speed_tg"]
 
 
 def ours(package: Path, model: str | None = None) -> dict:

@@ -37,7 +37,7 @@ import torch
 
 from common import best_of, cpu_model, emit
 from decode import decode_seconds
-from llamacpp import ISA_ENV, VERSION, build
+from llamacpp import ISA_ENV, VERSION, batched_generation, build, run
 from kvexport.exporter.sources.models import cache_dir
 
 PROMPT = 32  # tokens, ids from 5 up: every vocabulary holds them
@@ -50,15 +50,11 @@ def read_gbps(buffer: torch.Tensor) -> float:
 def llama_turn(binaries: Path, gguf: Path, tokens: int, threads: int, sessions: int) -> float:
     """llama.cpp's decode tokens/s: batch 1 from llama-bench, several
     sequences aggregated from llama-batched-bench."""
-    common = ["-m", str(gguf), "-t", str(threads)]
     if sessions == 1:
-        out = subprocess.run([str(binaries / "llama-bench"), *common, "-p", "0", "-n", str(tokens), "-r", "2", "-o", "json"],
-                             capture_output=True, text=True, check=True).stdout
+        out = run([str(binaries / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-p", "0", "-n", str(tokens),
+                   "-r", "2", "-o", "json"], stderr=subprocess.DEVNULL)
         return max(json.loads(out)[0]["samples_ts"])
-    out = subprocess.run([str(binaries / "llama-batched-bench"), *common, "-c", "4096", "-b", "512", "-ub", "512",
-                          "-npp", str(PROMPT), "-ntg", str(tokens), "-npl", str(sessions), "--output-format", "jsonl"],
-                         capture_output=True, text=True, check=True).stdout
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")][-1]["speed_tg"]
+    return batched_generation(binaries, gguf, threads, PROMPT, tokens, sessions, stderr=subprocess.DEVNULL)
 
 
 def main() -> None:
