@@ -1,11 +1,20 @@
-"""The row kernel (kernels/rows_linear.cpp) as another revision built it
-against the working tree's, alternated in one process over a model shape's
-linears from memory: each revision's kernels are built from that
-revision's sources with today's flags, and each round times both on the
-same operands, the order flipped every round.
+"""The row kernel (kernels/rows_linear.cpp) or the int8 kernel
+(int8_linear.cpp) as another revision built it against the working tree's,
+alternated in one process over a model shape's linears from memory: each
+revision's kernels are built from that revision's sources with today's
+flags, and each round times both on the same operands, the order flipped
+every round.
 
     python bench/ab_kernels.py --base HEAD~1 [--isa avx2] [--shape llama3.2-1b] [--rows 1,4,8] [--dtype fp32,bf16]
     python bench/ab_kernels.py --base HEAD~1 --shim --rows 512 --dtype bf16 --layers 2 --rounds 6
+    python bench/ab_kernels.py --base HEAD~1 --shape smollm2-135m --dtype 4w,8w [--in-cache]
+
+`--dtype 4w` and `8w` time the int8 kernel's entry (int8 activations: the
+VNNI build where the CPU has it) on 4-bit codes in groups of 32 and 8-bit
+codes with a scale per row, as 4w and 8w packages store them (fp16 tables);
+`--in-cache` multiplies by one weight that stays in L2 instead, 200 times
+a round (SmolLM2's gate, 1536 x 576: 442 KB at 4 bits, half on each of two
+cores): the kernel's arithmetic alone.
 
 `--shim` calls each build's C shim on tensors, as compiled code calls it,
 instead of the kernel's entry: from 128 rows its bf16 products widen their
@@ -35,7 +44,8 @@ import torch
 from big_model import SHAPES
 from common import cpu_model, emit
 from kvexport.partitioners.aoti.kernels import build
-from kvexport.partitioners.aoti.kernels.signatures import ROWS_LINEAR, ROWS_LINEAR_BF16
+from kvexport.partitioners.aoti.kernels.signatures import INT8_LINEAR, ROWS_LINEAR, ROWS_LINEAR_BF16
+from kvexport.passes.packed_weights import narrow_tables, pack_blocks, pack_table
 
 REPO = Path(__file__).resolve().parent.parent
 KERNELS = build.HERE.relative_to(REPO)
@@ -74,9 +84,13 @@ def build_revision(revision: str, isa: str | None, out: Path, kind: str = "share
     return out / (f"lib{build.LIBRARY}.so" if kind == "shared" else f"lib{build.LIBRARY}_shims.so")
 
 
+HOT = (1536, 576)  # --in-cache's weight
+CODES = {"4w": (4, 32), "8w": (8, None)}  # the int8 kernel's weights: bits, and the group (None: one a row)
+
+
 def entry(library: Path, dtype: str):
-    """The row kernel's fp32 or bf16 entry in `library`, typed by its declared signature."""
-    kernel = ROWS_LINEAR if dtype == "fp32" else ROWS_LINEAR_BF16
+    """The row kernel's fp32 or bf16 entry, or the int8 kernel's, in `library`, typed by its declared signature."""
+    kernel = INT8_LINEAR if dtype in CODES else ROWS_LINEAR if dtype == "fp32" else ROWS_LINEAR_BF16
     function = getattr(ctypes.CDLL(str(library)), kernel.symbol)
     function.argtypes, function.restype = kernel.argtypes(), None
     return function
@@ -86,6 +100,15 @@ def shim(library: Path):
     """rows_linear's shim in `library`, called on tensors."""
     shims = build.Shims(library=library)
     return lambda x, weight: shims.call("rows_linear", x, weight)
+
+
+def coded(shape: tuple[int, int], dtype: str) -> tuple[torch.Tensor, ...]:
+    """Random codes of `dtype` (4w, 8w) for a weight of `shape`, in the int8
+    kernel's operands (codes in blocks, fp16 tables), as exports store them."""
+    (n, k), (bits, group) = shape, CODES[dtype]
+    groups = k // (group or k)
+    scale, offset = narrow_tables(torch.rand(n, groups) + 0.01, torch.randn(n, groups), exact=False)
+    return pack_blocks(torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8), bits), pack_table(scale), pack_table(offset)
 
 
 def main() -> None:
@@ -98,7 +121,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="layers' weights walked a round (more than the caches hold)")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--shim", action="store_true", help="call the C shim on tensors, as compiled code does")
+    parser.add_argument("--in-cache", action="store_true", help="4w, 8w: a 1536 x 576 weight, 200 times a round")
     args = parser.parse_args()
+    if args.shim and any(d in CODES for d in args.dtype.split(",")):
+        parser.error("--shim times the row kernel's shim only (--dtype fp32,bf16)")
 
     with tempfile.TemporaryDirectory() as scratch:
         if args.shim:
@@ -107,22 +133,32 @@ def main() -> None:
         else:
             libraries = {"base": build_revision(args.base, args.isa, Path(scratch)),
                          "tree": build._build("shared", args.isa) / f"lib{build.LIBRARY}.so"}
-        shapes = linear_shapes(args.shape)
+        shapes = [HOT] if args.in_cache else linear_shapes(args.shape)
         results = []
         for dtype in args.dtype.split(","):
-            torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+            torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype, torch.float32)
             calls = {name: shim(library) if args.shim else entry(library, dtype) for name, library in libraries.items()}
-            weights = [torch.randn(shape).to(torch_dtype) for _ in range(args.layers) for shape in shapes]
-            weight_bytes = sum(w.numel() * w.element_size() for w in weights)
+            if dtype in CODES:  # (out, in) of each weight beside its operands
+                layers, repeat = (1, 200) if args.in_cache else (args.layers, 1)
+                weights = [(shape, coded(shape, dtype)) for _ in range(layers) for shape in shapes] * repeat
+                weight_bytes = sum(t.numel() * t.element_size() for _, w in weights for t in w)
+            else:
+                weights = [torch.randn(shape).to(torch_dtype) for _ in range(args.layers) for shape in shapes]
+                weight_bytes = sum(w.numel() * w.element_size() for w in weights)
             width = max(k for _, k in shapes)
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, width).to(torch_dtype)
-                outs = {name: [torch.empty(rows, w.shape[0]) for w in weights] for name in calls}
+                outs = {name: [torch.empty(rows, w[0][0] if dtype in CODES else w.shape[0]) for w in weights]
+                        for name in calls}
 
                 def run(name: str) -> float:
                     start = time.perf_counter()
                     if args.shim:  # each result is a new tensor (bf16 ones rounded), as compiled code gets it
                         outs[name] = [calls[name](x[:, :w.shape[1]], w) for w in weights]
+                    elif dtype in CODES:
+                        for ((n, k), (data, scale, offset)), out in zip(weights, outs[name]):
+                            calls[name](x.data_ptr(), width, data.data_ptr(), scale.data_ptr(), offset.data_ptr(),
+                                        out.data_ptr(), rows, n, k, scale.shape[1] // 8, CODES[dtype][0], 16, 1)
                     else:
                         for w, out in zip(weights, outs[name]):
                             calls[name](x.data_ptr(), width, w.data_ptr(), out.data_ptr(), rows, w.shape[0], w.shape[1])
@@ -145,7 +181,7 @@ def main() -> None:
                 print(results[-1], flush=True)
             del weights
     emit({"cpu": cpu_model(), "isa": args.isa or build._isa(), "shape": args.shape, "base": args.base,
-          "entry": "shim" if args.shim else "kernel", "layers": args.layers, "rounds": args.rounds, "results": results})
+          "entry": "shim" if args.shim else "kernel", "in_cache": args.in_cache, "layers": args.layers, "rounds": args.rounds, "results": results})
 
 
 if __name__ == "__main__":

@@ -517,6 +517,25 @@ def test_int8_linear(isa, shims, bits, rows, out_features, width, groups, row_st
         assert_float_sum(build.int8_linear(x, data, scale, offset, bits, isa=isa, products=products), rounded, weight)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int8_linear_sums_the_largest_products_exactly(isa, shims, bits, rows):
+    """Codes at their top and at 0 by activations that all round to +127 or
+    -127 (each row constant): every integer sum of a block reaches its
+    largest magnitude (the AVX2 build's int16 sums of 4-bit products
+    16 * 15 * 127, its 8-bit pairs 2 * 128 * 127) and stays exact."""
+    from kvexport.passes.packed_weights import _int8_rows, pack_blocks, pack_table
+
+    out_features, width = 24, 128
+    codes = torch.zeros(out_features, width, dtype=torch.uint8)
+    codes[:8], codes[16:, ::2] = (1 << bits) - 1, (1 << bits) - 1  # panels of the top, of 0, and of both
+    scale, offset = torch.ones(out_features, 2), torch.zeros(out_features, 2)
+    x = torch.tensor([(-1.0) ** m * (m + 1) for m in range(rows)])[:, None].expand(rows, width).contiguous()
+    data, tables = pack_blocks(codes, bits), (pack_table(scale), pack_table(offset))
+    for got in [build.int8_linear(x, data, *tables, bits, isa=isa), shims.call("int8_linear", x, data, *tables, bits, 1)]:
+        assert_float_sum(got, _int8_rows(x).double(), codes.double())
+
+
 # two terms: one row and a pass's worth (2 M rows of codes: 8 sessions are 16, two passes; 5 rows, passes of 6
 # and 4 code rows), prefill-sized, strided
 INT8X2_CASES = [(b, r, n, k, gr, s, h) for b in (4, 8) for r, n, k, gr, s, h in (

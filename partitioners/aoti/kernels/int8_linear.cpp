@@ -15,9 +15,10 @@
 // becomes two rows of int8 codes, multiplied as any others in the same pass
 // (about 15 bits of each activation for twice the integer products; the
 // weight is still read once). Each block's product is an integer dot
-// product, 32 code pairs summed exactly in int32 (maddubs then madd on AVX2),
-// then scaled by the block's step and the group's scale (two terms: each by
-// its step, summed, then scaled once); the offsets multiply each row's sum of
+// product, 32 code pairs summed exactly in int32 (maddubs then madd on AVX2;
+// 4-bit codes: int16 sums over the block, then one madd), then scaled by
+// the block's step and the group's scale (two terms: each by its step,
+// summed, then scaled once); the offsets multiply each row's sum of
 // xq over a group (both terms), computed once a call. Summing the two terms a
 // block, not at the end, and their offsets as one took 8 rows of 4-bit codes
 // from 136-140 to 125-129 us in cache (a 4096 x 576 weight, a scratch A/B on
@@ -188,6 +189,13 @@ inline ivec add_pairs(ivec acc, ivec pairs) {
   return sum;
 }
 
+// acc + b in each int16 lane, held like add_pairs' sums (the same reason)
+inline ivec add16(ivec acc, ivec b) {
+  ivec sum = _mm256_add_epi16(acc, b);
+  __asm__("" : "+v"(sum));
+  return sum;
+}
+
 // each byte's low and high nibbles as bytes: 4-bit codes unpacked in registers
 inline void nibbles(ivec bytes, ivec& low, ivec& high) {
   low = _mm256_and_si256(bytes, _mm256_set1_epi8(15));
@@ -347,11 +355,17 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
   clear(acc);
   for (int64_t b = 0; b < op.blocks; b++) {
     op.template fetch_ahead<P>(b);
-    ivec dots[MR][P];
+    // 4-bit codes on maddubs: each int16 lane of sums16 sums the block's products, 2 a maddubs and 16 in
+    // all, at most 16 * 15 * 127 = 30480 (no saturation), and goes into dots as int32 once, at the block's
+    // end: one madd and one add a block and row where there was one of each a vector. 4 and 8 rows of
+    // 4-bit codes ran 0.88-0.90 x the time from memory and from L2, 1 row 0.98-1.0 x (it runs at the read
+    // rate from memory), on Zen 3 (bench/ab_kernels.py --dtype 4w, with and without --in-cache). Without
+    // add16's hold 4 and 8 rows ran 1.25 x slower than with it
+    ivec dots[MR][P], sums16[MR][P];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
-      for (int t = 0; t < P; t++) dots[i][t] = _mm256_setzero_si256();
+      for (int t = 0; t < P; t++) dots[i][t] = sums16[i][t] = _mm256_setzero_si256();
     // quad q: codes 4q..4q+3 of the block (4 bits: and 16 + 4q .., the high nibbles)
 #pragma GCC unroll 8
     for (int q = 0; q < BITS; q++) {  // a block is BITS vectors of a panel
@@ -372,9 +386,7 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
 #ifdef KV_VNNI
             dots[i][t] = dot_u8s8(dot_u8s8(dots[i][t], low, x[i]), high, xh[i]);
 #else
-            // each int16 sums 4 products of codes <= 15 and |x| <= 127: at most 7620, no saturation
-            const ivec pairs = _mm256_add_epi16(_mm256_maddubs_epi16(low, x[i]), _mm256_maddubs_epi16(high, xh[i]));
-            dots[i][t] = add_pairs(dots[i][t], pairs);
+            sums16[i][t] = add16(add16(sums16[i][t], _mm256_maddubs_epi16(low, x[i])), _mm256_maddubs_epi16(high, xh[i]));
 #endif
           }
         } else {
@@ -384,6 +396,11 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
         }
       }
     }
+    if constexpr (BITS == 4 && !VNNI)
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+        for (int t = 0; t < P; t++) dots[i][t] = _mm256_madd_epi16(sums16[i][t], _mm256_set1_epi16(1));
 #pragma GCC unroll 4
     for (int t = 0; t < P; t++) {
       const vec s = ONE_GROUP ? zero() : load8(op.scale8(t, b / op.per_group));
