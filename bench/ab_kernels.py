@@ -12,9 +12,9 @@ every round.
 `--dtype 4w` and `8w` time the int8 kernel's entry (int8 activations: the
 VNNI build where the CPU has it) on 4-bit codes in groups of 32 and 8-bit
 codes with a scale per row, as 4w and 8w packages store them (fp16 tables);
-`--in-cache` multiplies by one weight that stays in L2 instead, 200 times
-a round (SmolLM2's gate, 1536 x 576: 442 KB at 4 bits, half on each of two
-cores): the kernel's arithmetic alone.
+`--in-cache` multiplies by one weight that stays in the caches instead,
+200 times a round (SmolLM2's gate, 1536 x 576: 442 KB at 4 bits, half on
+each of two cores' L2; 1.8 MB in bf16): the kernel's arithmetic alone.
 
 `--shim` calls each build's C shim on tensors, as compiled code calls it,
 instead of the kernel's entry: from 128 rows its bf16 products widen their
@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="layers' weights walked a round (more than the caches hold)")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--shim", action="store_true", help="call the C shim on tensors, as compiled code does")
-    parser.add_argument("--in-cache", action="store_true", help="4w, 8w: a 1536 x 576 weight, 200 times a round")
+    parser.add_argument("--in-cache", action="store_true", help="a 1536 x 576 weight, 200 times a round")
     args = parser.parse_args()
     if args.shim and any(d in CODES for d in args.dtype.split(",")):
         parser.error("--shim times the row kernel's shim only (--dtype fp32,bf16)")
@@ -138,12 +138,12 @@ def main() -> None:
         for dtype in args.dtype.split(","):
             torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype, torch.float32)
             calls = {name: shim(library) if args.shim else entry(library, dtype) for name, library in libraries.items()}
+            layers, repeat = (1, 200) if args.in_cache else (args.layers, 1)
             if dtype in CODES:  # (out, in) of each weight beside its operands
-                layers, repeat = (1, 200) if args.in_cache else (args.layers, 1)
                 weights = [(shape, coded(shape, dtype)) for _ in range(layers) for shape in shapes] * repeat
                 weight_bytes = sum(t.numel() * t.element_size() for _, w in weights for t in w)
             else:
-                weights = [torch.randn(shape).to(torch_dtype) for _ in range(args.layers) for shape in shapes]
+                weights = [torch.randn(shape).to(torch_dtype) for _ in range(layers) for shape in shapes] * repeat
                 weight_bytes = sum(w.numel() * w.element_size() for w in weights)
             width = max(k for _, k in shapes)
             for rows in (int(r) for r in args.rows.split(",")):
