@@ -7,7 +7,7 @@ every round.
 
     python bench/ab_kernels.py --base HEAD~1 [--isa avx2] [--shape llama3.2-1b] [--rows 1,4,8] [--dtype fp32,bf16]
     python bench/ab_kernels.py --base HEAD~1 --shim --rows 512 --dtype bf16 --layers 2 --rounds 6
-    python bench/ab_kernels.py --base HEAD~1 --shape smollm2-135m --dtype 4w,8w [--in-cache]
+    python bench/ab_kernels.py --base HEAD~1 --dtype 4w,8w [--rows 1,4,8] [--layers 2] [--in-cache]
 
 `--dtype 4w` and `8w` time the int8 kernel's entry (int8 activations: the
 VNNI build where the CPU has it) on 4-bit codes in groups of 32 and 8-bit
@@ -158,7 +158,8 @@ def main() -> None:
                     elif dtype in CODES:
                         for ((n, k), (data, scale, offset)), out in zip(weights, outs[name]):
                             calls[name](x.data_ptr(), width, data.data_ptr(), scale.data_ptr(), offset.data_ptr(),
-                                        out.data_ptr(), rows, n, k, scale.shape[1] // 8, CODES[dtype][0], 16, 1)
+                                        out.data_ptr(), rows, n, k, scale.shape[1] // 8, CODES[dtype][0],
+                                        scale.element_size() * 8, 1)
                     else:
                         for w, out in zip(weights, outs[name]):
                             calls[name](x.data_ptr(), width, w.data_ptr(), out.data_ptr(), rows, w.shape[0], w.shape[1])
