@@ -43,9 +43,9 @@ import torch
 
 from big_model import SHAPES
 from common import cpu_model, emit
+from packed_kernel import HOT, blocks
 from kvexport.partitioners.aoti.kernels import build
 from kvexport.partitioners.aoti.kernels.signatures import INT8_LINEAR, ROWS_LINEAR, ROWS_LINEAR_BF16
-from kvexport.passes.packed_weights import narrow_tables, pack_blocks, pack_table
 
 REPO = Path(__file__).resolve().parent.parent
 KERNELS = build.HERE.relative_to(REPO)
@@ -84,7 +84,6 @@ def build_revision(revision: str, isa: str | None, out: Path, kind: str = "share
     return out / (f"lib{build.LIBRARY}.so" if kind == "shared" else f"lib{build.LIBRARY}_shims.so")
 
 
-HOT = (1536, 576)  # --in-cache's weight
 CODES = {"4w": (4, 32), "8w": (8, None)}  # the int8 kernel's weights: bits, and the group (None: one a row)
 
 
@@ -100,15 +99,6 @@ def shim(library: Path):
     """rows_linear's shim in `library`, called on tensors."""
     shims = build.Shims(library=library)
     return lambda x, weight: shims.call("rows_linear", x, weight)
-
-
-def coded(shape: tuple[int, int], dtype: str) -> tuple[torch.Tensor, ...]:
-    """Random codes of `dtype` (4w, 8w) for a weight of `shape`, in the int8
-    kernel's operands (codes in blocks, fp16 tables), as exports store them."""
-    (n, k), (bits, group) = shape, CODES[dtype]
-    groups = k // (group or k)
-    scale, offset = narrow_tables(torch.rand(n, groups) + 0.01, torch.randn(n, groups), exact=False)
-    return pack_blocks(torch.randint(0, 1 << bits, (n, k), dtype=torch.uint8), bits), pack_table(scale), pack_table(offset)
 
 
 def main() -> None:
@@ -140,8 +130,9 @@ def main() -> None:
             calls = {name: shim(library) if args.shim else entry(library, dtype) for name, library in libraries.items()}
             layers, repeat = (1, 200) if args.in_cache else (args.layers, 1)
             if dtype in CODES:  # (out, in) of each weight beside its operands
-                weights = [(shape, coded(shape, dtype)) for _ in range(layers) for shape in shapes] * repeat
-                weight_bytes = sum(t.numel() * t.element_size() for _, w in weights for t in w)
+                (bits, group), g = CODES[dtype], torch.Generator().manual_seed(0)
+                weights = [((n, k), blocks(n, k, bits, group or k, g)) for _ in range(layers) for n, k in shapes] * repeat
+                weight_bytes = sum(t.numel() * t.element_size() for _, w in weights for t in w[:3])
             else:
                 weights = [torch.randn(shape).to(torch_dtype) for _ in range(layers) for shape in shapes] * repeat
                 weight_bytes = sum(w.numel() * w.element_size() for w in weights)
@@ -156,9 +147,9 @@ def main() -> None:
                     if args.shim:  # each result is a new tensor (bf16 ones rounded), as compiled code gets it
                         outs[name] = [calls[name](x[:, :w.shape[1]], w) for w in weights]
                     elif dtype in CODES:
-                        for ((n, k), (data, scale, offset)), out in zip(weights, outs[name]):
+                        for ((n, k), (data, scale, offset, bits)), out in zip(weights, outs[name]):
                             calls[name](x.data_ptr(), width, data.data_ptr(), scale.data_ptr(), offset.data_ptr(),
-                                        out.data_ptr(), rows, n, k, scale.shape[1] // 8, CODES[dtype][0],
+                                        out.data_ptr(), rows, n, k, scale.shape[1] // 8, bits,
                                         scale.element_size() * 8, 1)
                     else:
                         for w, out in zip(weights, outs[name]):
