@@ -79,6 +79,31 @@ static inline void tile(const TX* x, int64_t ldx, const TW* w, int64_t K, float*
   clear(acc);
   const TW* ahead = w + PREFETCH_ROWS * K;
   int64_t k = 0;
+  // One row (a batch-1 step, where the reads bound the time): each weight
+  // vector goes into its FMA as it is loaded, and each weight row's cache
+  // line is prefetched once. Loading a step's NR weight vectors first, as
+  // the loop below does, took 17 of AVX2's 16 registers over bf16 (8
+  // accumulators, 8 widened weights, x), so GCC kept an accumulator on the
+  // stack, stored and read back every step; and a prefetch per vector asked
+  // for each line 2 (fp32) or 4 (bf16) times. Over a Llama 3.2 1B layer's
+  // products from memory on a Zen 3 (bench/ab_kernels.py --isa avx2 --rows
+  // 1) this took 0.90 x the time for bf16 and 0.95 x for fp32; with the
+  // weight in cache 0.76 and 0.80 x. Tiles of more rows reuse each loaded
+  // weight vector MR times, and prefetching once a line measured 1.03-1.06 x
+  // slower for them (bf16 at 2-8 rows), so they keep the loop below.
+  if constexpr (MR == 1) {
+    constexpr int STEPS = 64 / (LANES * sizeof(TW));  // vectors a weight row's cache line holds
+    for (; k + STEPS * LANES <= K; k += STEPS * LANES) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; j++) prefetch_l2(ahead + j * K + k);
+#pragma GCC unroll 4
+      for (int s = 0; s < STEPS; s++) {
+        const vec xv = load(x + k + s * LANES);
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; j++) acc[0][j] = fma(xv, load(w + j * K + k + s * LANES), acc[0][j]);
+      }
+    }
+  }
   for (; k + LANES <= K; k += LANES) {
     vec wv[NR];
 #pragma GCC unroll 8
