@@ -46,9 +46,11 @@ def rows_operands(rows: int, out_features: int, width: int, row_stride: int = 0)
 
 
 # row counts over and under a register tile (4 or 8 rows), weight rows not a
-# multiple of a tile or a thread's band, widths with a vector tail, strided rows
+# multiple of a tile or a thread's band, widths with a vector tail, strided
+# rows; one row by weight rows of 2048 bytes or more (the 8-row tile, not the
+# row-by-row walk of shorter ones), and one with each tail of that walk
 ROWS_CASES = [(r, n, k, 0) for r in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16) for n, k in ((64, 64), (131, 72), (5, 7), (200, 1))]
-ROWS_CASES += [(6, 40, 64, 100), (1, 3, 9, 12)]
+ROWS_CASES += [(6, 40, 64, 100), (1, 3, 9, 12), (1, 37, 1100, 0), (1, 21, 83, 1200), (1, 19, 2053, 0)]
 
 
 @pytest.mark.parametrize("rows,out_features,width,row_stride", ROWS_CASES)

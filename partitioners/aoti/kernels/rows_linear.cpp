@@ -136,6 +136,96 @@ static inline void tile(const TX* x, int64_t ldx, const TW* w, int64_t K, float*
     for (int j = 0; j < NR; j++) out[i * N + j] = total(acc[i][j]);
 }
 
+// Weight rows shorter than this many bytes sum each product's vector steps
+// in two accumulators, the even steps' and the odd ones', added before the
+// lanes' total; a single x row walks them one weight row at a time
+// (row_by_row), every tile of more rows in two passes (tile_halves): the same
+// sums in the same order, so a row's outputs do not depend on the rows
+// batched with it. On a Zen 3 (AVX2), one row's 8-row tile read SmolLM2's
+// bf16 rows of 576 values (1152 bytes: 8 interleaved streams of 18 lines)
+// slower than one stream a thread: a SmolLM2 bf16 batch-1 step took 0.855 x
+// the time (bench/ab_decode.py, 24 rounds; 8 sessions 1.005 x), its 1536 x
+// 576 and 576 x 576 products alone 0.88-0.95 x (2 and 8 rows: 1.05 x). One
+// accumulator a row, as the tile keeps, capped one row at its FMAs' latency
+// (27 GB/s on two cores with the weight in cache); two lift that to 38. Two
+// streams a thread (two weight rows, or a row's two halves) gained nothing,
+// and longer rows (fp32 K 576, bf16 K 1536, the 1B shape's K 2048 and 8192)
+// ran 1.07-1.20 x slower one at a time: they keep the tile.
+constexpr int64_t SHORT_ROW_BYTES = 2048;
+
+// acc plus the products of the vector steps first, first + 2, ... of MR x
+// rows by NR weight rows (the last step loaded masked)
+template <int MR, int NR, typename TX, typename TW>
+static inline void every_other_step(const TX* x, int64_t ldx, const TW* w, int64_t K, int first, vec (&acc)[MR][NR]) {
+  const TW* ahead = w + PREFETCH_ROWS * K;
+  int64_t k = first * LANES;
+  for (; k + LANES <= K; k += 2 * LANES) {
+    vec wv[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; j++) {
+      wv[j] = load(w + j * K + k);
+      prefetch_l2(ahead + j * K + k);
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) {
+      const vec xv = load(x + i * ldx + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; j++) acc[i][j] = fma(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (k < K) {
+    const int rest = (int)(K - k);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) {
+      const vec xv = load_first(x + i * ldx + k, rest);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; j++) acc[i][j] = fma(xv, load_first(w + j * K + k, rest), acc[i][j]);
+    }
+  }
+}
+
+// tile's product over short weight rows: the even steps' sums, then the odd
+// ones', added (row_by_row's order)
+template <int MR, int NR, typename TX, typename TW>
+static inline void tile_halves(const TX* x, int64_t ldx, const TW* w, int64_t K, float* out, int64_t N) {
+  vec even[MR][NR], odd[MR][NR];
+  clear(even);
+  clear(odd);
+  every_other_step(x, ldx, w, K, 0, even);
+  every_other_step(x, ldx, w, K, 1, odd);
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; j++) out[i * N + j] = total(add(even[i][j], odd[i][j]));
+}
+
+// one x row by short weight rows [n0, n1), one weight row at a time, in
+// address order: the even steps' products into one accumulator, the odd
+// ones' into another; each cache line of the row PREFETCH_ROWS ahead fetched once
+template <typename TX, typename TW>
+static void row_by_row(const TX* x, const TW* w, int64_t K, float* out, int64_t n0, int64_t n1) {
+  constexpr int LINE = 64 / (LANES * sizeof(TW));  // vectors a cache line holds
+  constexpr int STEPS = LINE < 2 ? 2 : LINE;       // vectors an iteration takes, an even count
+  for (int64_t n = n0; n < n1; n++) {
+    const TW* row = w + n * K;
+    const TW* ahead = row + PREFETCH_ROWS * K;
+    vec acc[2] = {zero(), zero()};
+    int64_t k = 0;
+    for (; k + STEPS * LANES <= K; k += STEPS * LANES) {
+#pragma GCC unroll 4
+      for (int s = 0; s < STEPS; s += LINE) prefetch_l2(ahead + k + s * LANES);
+#pragma GCC unroll 4
+      for (int s = 0; s < STEPS; s++) acc[s % 2] = fma(load(x + k + s * LANES), load(row + k + s * LANES), acc[s % 2]);
+    }
+    for (int s = 0; k < K; s++, k += LANES) {
+      const int rest = (int)(K - k);
+      acc[s % 2] = rest >= LANES ? fma(load(x + k), load(row + k), acc[s % 2])
+                                 : fma(load_first(x + k, rest), load_first(row + k, rest), acc[s % 2]);
+    }
+    out[n] = total(add(acc[0], acc[1]));
+  }
+}
+
 #if defined(KV_BF16) && defined(__AVX512BF16__)
 // vdpbf16ps at two widths: Dot256 takes 16 bf16 values a vector (8 pairs,
 // each summed into an fp32 lane), Dot512 32; `first` loads the first n
@@ -220,6 +310,10 @@ static void band(const TX* x, int64_t ldx, const TW* w, int64_t K, float* out, i
     typedef std::conditional_t<MR >= WIDE_FROM, Dot512, Dot256> D;
     for (; n + NR <= n1; n += NR) tile_dot<D, MR, NR>(x, ldx, w + n * K, K, out + n, N);
     for (; n < n1; n++) tile_dot<D, MR, 1>(x, ldx, w + n * K, K, out + n, N);
+  } else if (K * (int64_t)sizeof(TW) < SHORT_ROW_BYTES) {
+    if constexpr (MR == 1) return row_by_row(x, w, K, out, n0, n1);
+    for (; n + NR <= n1; n += NR) tile_halves<MR, NR>(x, ldx, w + n * K, K, out + n, N);
+    for (; n < n1; n++) tile_halves<MR, 1>(x, ldx, w + n * K, K, out + n, N);
   } else {
     for (; n + NR <= n1; n += NR) tile<MR, NR>(x, ldx, w + n * K, K, out + n, N);
     for (; n < n1; n++) tile<MR, 1>(x, ldx, w + n * K, K, out + n, N);
