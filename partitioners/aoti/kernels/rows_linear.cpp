@@ -79,7 +79,8 @@ static inline void tile(const TX* x, int64_t ldx, const TW* w, int64_t K, float*
   clear(acc);
   const TW* ahead = w + PREFETCH_ROWS * K;
   int64_t k = 0;
-  // One row (a batch-1 step, where the reads bound the time): each weight
+  // One row (a batch-1 step, where the reads bound the time; weight rows of
+  // SHORT_ROW_BYTES or more, shorter ones go row_by_row below): each weight
   // vector goes into its FMA as it is loaded, and each weight row's cache
   // line is prefetched once. Loading a step's NR weight vectors first, as
   // the loop below does, took 17 of AVX2's 16 registers over bf16 (8
@@ -143,14 +144,15 @@ static inline void tile(const TX* x, int64_t ldx, const TW* w, int64_t K, float*
 // sums in the same order, so a row's outputs do not depend on the rows
 // batched with it. On a Zen 3 (AVX2), one row's 8-row tile read SmolLM2's
 // bf16 rows of 576 values (1152 bytes: 8 interleaved streams of 18 lines)
-// slower than one stream a thread: a SmolLM2 bf16 batch-1 step took 0.855 x
-// the time (bench/ab_decode.py, 24 rounds; 8 sessions 1.005 x), its 1536 x
-// 576 and 576 x 576 products alone 0.88-0.95 x (2 and 8 rows: 1.05 x). One
-// accumulator a row, as the tile keeps, capped one row at its FMAs' latency
-// (27 GB/s on two cores with the weight in cache); two lift that to 38. Two
-// streams a thread (two weight rows, or a row's two halves) gained nothing,
-// and longer rows (fp32 K 576, bf16 K 1536, the 1B shape's K 2048 and 8192)
-// ran 1.07-1.20 x slower one at a time: they keep the tile.
+// slower than one stream a thread: a SmolLM2 bf16 batch-1 step took 0.855
+// and 0.89 x the time (two bench/ab_decode.py runs; 8 sessions 1.005 and
+// 0.986 x), its 1536 x 576 and 576 x 576 products alone 0.88-0.95 x (2 and
+// 8 rows: 1.05 x). One accumulator a row, as the tile keeps, capped one row
+// at its FMAs' latency (27 GB/s on two cores with the weight in cache); two
+// lift that to 38. Two streams a thread (two weight rows, or a row's two
+// halves) gained nothing, and longer rows (fp32 K 576, bf16 K 1536, the 1B
+// shape's K 2048 and 8192) ran 1.09-1.20 x slower one at a time: they keep
+// the tile.
 constexpr int64_t SHORT_ROW_BYTES = 2048;
 
 // acc plus the products of the vector steps first, first + 2, ... of MR x
