@@ -68,44 +68,13 @@ constexpr int weight_rows() {
   return MR == 1 ? 8 : ((REGISTERS - 1) / (MR + 1) > 8 ? 8 : (REGISTERS - 1) / (MR + 1));
 }
 
-// MR rows of x (stride ldx) by NR rows of w (stride K) into out (stride N).
-// Every loop over the accumulators is unrolled, the tail's and the sums' too:
-// with the sums' loop rolled, GCC keeps the tile in memory as well, stores it
-// after the products and reads it back for the sums (8 rows of a bf16 step's
-// products ran 1.16 x slower in cache, 1.06 x from memory)
-template <int MR, int NR, typename TX, typename TW>
-static inline void tile(const TX* x, int64_t ldx, const TW* w, int64_t K, float* out, int64_t N) {
-  vec acc[MR][NR];
-  clear(acc);
+// acc plus the products of MR x rows by NR weight rows over the vector steps
+// from k, every STRIDE-th (the last one loaded masked if K ends within it),
+// each weight row's line fetched PREFETCH_ROWS rows ahead
+template <int STRIDE, int MR, int NR, typename TX, typename TW>
+static inline void steps(const TX* x, int64_t ldx, const TW* w, int64_t K, int64_t k, vec (&acc)[MR][NR]) {
   const TW* ahead = w + PREFETCH_ROWS * K;
-  int64_t k = 0;
-  // One row (a batch-1 step, where the reads bound the time; weight rows of
-  // SHORT_ROW_BYTES or more, shorter ones go row_by_row below): each weight
-  // vector goes into its FMA as it is loaded, and each weight row's cache
-  // line is prefetched once. Loading a step's NR weight vectors first, as
-  // the loop below does, took 17 of AVX2's 16 registers over bf16 (8
-  // accumulators, 8 widened weights, x), so GCC kept an accumulator on the
-  // stack, stored and read back every step; and a prefetch per vector asked
-  // for each line 2 (fp32) or 4 (bf16) times. Over a Llama 3.2 1B layer's
-  // products from memory on a Zen 3 (bench/ab_kernels.py --isa avx2 --rows
-  // 1) this took 0.90 x the time for bf16 and 0.95 x for fp32; with the
-  // weight in cache 0.76 and 0.80 x. Tiles of more rows reuse each loaded
-  // weight vector MR times, and prefetching once a line measured 1.03-1.06 x
-  // slower for them (bf16 at 2-8 rows), so they keep the loop below.
-  if constexpr (MR == 1) {
-    constexpr int STEPS = 64 / (LANES * sizeof(TW));  // vectors a weight row's cache line holds
-    for (; k + STEPS * LANES <= K; k += STEPS * LANES) {
-#pragma GCC unroll 8
-      for (int j = 0; j < NR; j++) prefetch_l2(ahead + j * K + k);
-#pragma GCC unroll 4
-      for (int s = 0; s < STEPS; s++) {
-        const vec xv = load(x + k + s * LANES);
-#pragma GCC unroll 8
-        for (int j = 0; j < NR; j++) acc[0][j] = fma(xv, load(w + j * K + k + s * LANES), acc[0][j]);
-      }
-    }
-  }
-  for (; k + LANES <= K; k += LANES) {
+  for (; k + LANES <= K; k += STRIDE * LANES) {
     vec wv[NR];
 #pragma GCC unroll 8
     for (int j = 0; j < NR; j++) {
@@ -131,6 +100,46 @@ static inline void tile(const TX* x, int64_t ldx, const TW* w, int64_t K, float*
       for (int j = 0; j < NR; j++) acc[i][j] = fma(xv, wv[j], acc[i][j]);
     }
   }
+}
+
+// MR rows of x (stride ldx) by NR rows of w (stride K) into out (stride N).
+// Every loop over the accumulators is unrolled, the tail's and the sums' too:
+// with the sums' loop rolled, GCC keeps the tile in memory as well, stores it
+// after the products and reads it back for the sums (8 rows of a bf16 step's
+// products ran 1.16 x slower in cache, 1.06 x from memory)
+template <int MR, int NR, typename TX, typename TW>
+static inline void tile(const TX* x, int64_t ldx, const TW* w, int64_t K, float* out, int64_t N) {
+  vec acc[MR][NR];
+  clear(acc);
+  int64_t k = 0;
+  // One row (a batch-1 step, where the reads bound the time; weight rows of
+  // SHORT_ROW_BYTES or more, shorter ones go row_by_row below): each weight
+  // vector goes into its FMA as it is loaded, and each weight row's cache
+  // line is prefetched once. Loading a step's NR weight vectors first, as
+  // steps() does, took 17 of AVX2's 16 registers over bf16 (8
+  // accumulators, 8 widened weights, x), so GCC kept an accumulator on the
+  // stack, stored and read back every step; and a prefetch per vector asked
+  // for each line 2 (fp32) or 4 (bf16) times. Over a Llama 3.2 1B layer's
+  // products from memory on a Zen 3 (bench/ab_kernels.py --isa avx2 --rows
+  // 1) this took 0.90 x the time for bf16 and 0.95 x for fp32; with the
+  // weight in cache 0.76 and 0.80 x. Tiles of more rows reuse each loaded
+  // weight vector MR times, and prefetching once a line measured 1.03-1.06 x
+  // slower for them (bf16 at 2-8 rows), so they keep steps().
+  if constexpr (MR == 1) {
+    constexpr int STEPS = 64 / (LANES * sizeof(TW));  // vectors a weight row's cache line holds
+    const TW* ahead = w + PREFETCH_ROWS * K;
+    for (; k + STEPS * LANES <= K; k += STEPS * LANES) {
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; j++) prefetch_l2(ahead + j * K + k);
+#pragma GCC unroll 4
+      for (int s = 0; s < STEPS; s++) {
+        const vec xv = load(x + k + s * LANES);
+#pragma GCC unroll 8
+        for (int j = 0; j < NR; j++) acc[0][j] = fma(xv, load(w + j * K + k + s * LANES), acc[0][j]);
+      }
+    }
+  }
+  steps<1>(x, ldx, w, K, k, acc);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; i++)
 #pragma GCC unroll 8
@@ -155,37 +164,6 @@ static inline void tile(const TX* x, int64_t ldx, const TW* w, int64_t K, float*
 // the tile.
 constexpr int64_t SHORT_ROW_BYTES = 2048;
 
-// acc plus the products of the vector steps first, first + 2, ... of MR x
-// rows by NR weight rows (the last step loaded masked)
-template <int MR, int NR, typename TX, typename TW>
-static inline void every_other_step(const TX* x, int64_t ldx, const TW* w, int64_t K, int first, vec (&acc)[MR][NR]) {
-  const TW* ahead = w + PREFETCH_ROWS * K;
-  int64_t k = first * LANES;
-  for (; k + LANES <= K; k += 2 * LANES) {
-    vec wv[NR];
-#pragma GCC unroll 8
-    for (int j = 0; j < NR; j++) {
-      wv[j] = load(w + j * K + k);
-      prefetch_l2(ahead + j * K + k);
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) {
-      const vec xv = load(x + i * ldx + k);
-#pragma GCC unroll 8
-      for (int j = 0; j < NR; j++) acc[i][j] = fma(xv, wv[j], acc[i][j]);
-    }
-  }
-  if (k < K) {
-    const int rest = (int)(K - k);
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) {
-      const vec xv = load_first(x + i * ldx + k, rest);
-#pragma GCC unroll 8
-      for (int j = 0; j < NR; j++) acc[i][j] = fma(xv, load_first(w + j * K + k, rest), acc[i][j]);
-    }
-  }
-}
-
 // tile's product over short weight rows: the even steps' sums, then the odd
 // ones', added (row_by_row's order)
 template <int MR, int NR, typename TX, typename TW>
@@ -193,8 +171,8 @@ static inline void tile_halves(const TX* x, int64_t ldx, const TW* w, int64_t K,
   vec even[MR][NR], odd[MR][NR];
   clear(even);
   clear(odd);
-  every_other_step(x, ldx, w, K, 0, even);
-  every_other_step(x, ldx, w, K, 1, odd);
+  steps<2>(x, ldx, w, K, 0, even);
+  steps<2>(x, ldx, w, K, LANES, odd);
 #pragma GCC unroll 8
   for (int i = 0; i < MR; i++)
 #pragma GCC unroll 8
