@@ -291,9 +291,12 @@ static void band(const TX* x, int64_t ldx, const TW* w, int64_t K, float* out, i
     for (; n + NR <= n1; n += NR) tile_dot<D, MR, NR>(x, ldx, w + n * K, K, out + n, N);
     for (; n < n1; n++) tile_dot<D, MR, 1>(x, ldx, w + n * K, K, out + n, N);
   } else if (K * (int64_t)sizeof(TW) < SHORT_ROW_BYTES) {
-    if constexpr (MR == 1) return row_by_row(x, w, K, out, n0, n1);
-    for (; n + NR <= n1; n += NR) tile_halves<MR, NR>(x, ldx, w + n * K, K, out + n, N);
-    for (; n < n1; n++) tile_halves<MR, 1>(x, ldx, w + n * K, K, out + n, N);
+    if constexpr (MR == 1) {
+      row_by_row(x, w, K, out, n0, n1);
+    } else {
+      for (; n + NR <= n1; n += NR) tile_halves<MR, NR>(x, ldx, w + n * K, K, out + n, N);
+      for (; n < n1; n++) tile_halves<MR, 1>(x, ldx, w + n * K, K, out + n, N);
+    }
   } else {
     for (; n + NR <= n1; n += NR) tile<MR, NR>(x, ldx, w + n * K, K, out + n, N);
     for (; n < n1; n++) tile<MR, 1>(x, ldx, w + n * K, K, out + n, N);
