@@ -395,6 +395,41 @@ def test_masked_attention_splits_a_rows_cells_among_threads(isa, shims, threads,
     torch.testing.assert_close(got.float(), want.to(dtype).float(), **tolerance)
 
 
+# (heads, kv heads, head dim, rows, cells a row): groups of 3, 7 (tiles of 4 + 3, or 2 + 2 + 2 + 1 on AVX2)
+# and 1 with head-dim tails; rows of a session each (the pool's cells dealt out in runs of 64), and one
+# row over more heads' scores than the kernel holds at once (64 heads over 4300 cells: kv head by kv head)
+LONG_ROW_CASES = [(9, 3, 64, 4, 320), (9, 3, 64, 1, 1100), (14, 2, 20, 2, 600), (8, 8, 72, 3, 300), (64, 1, 16, 1, 4300)]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rows,each", LONG_ROW_CASES)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_attention_over_long_rows(isa, shims, heads, kv_heads, head_dim, rows, each, threads, dtype):
+    """Rows over hundreds of cells go cell block by cell block, every kv
+    head's rows of a block together (the pools' order), alone or split among
+    the threads: the result is sdpa's whatever the thread count."""
+    g = torch.Generator().manual_seed(heads + rows * 10 + each)
+    cells = rows * each + 5
+    pool_k, pool_v = (torch.randn(cells, kv_heads, head_dim, generator=g) for _ in range(2))
+    key, value = pool_k.permute(1, 0, 2).unsqueeze(0), pool_v.permute(1, 0, 2).unsqueeze(0)
+    query = torch.randn(1, rows, heads, head_dim, generator=g).transpose(1, 2) * 2
+    owner = torch.arange(cells) // 64 % rows
+    mask = owner[None, :] == torch.arange(rows)[:, None]
+    mask[:, -5:] = False  # the pool's last cells are nobody's
+    query, key, value = (t.to(dtype) for t in (query, key, value))
+    want = sdpa_in_fp32(query, key, value, mask, 0.3)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = shims.call("masked_attention", query, key, value, mask, 0.3)
+    finally:
+        torch.set_num_threads(saved)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=8e-3, atol=1e-5)
+
+
 def test_softmax_holds_for_large_and_distant_scores(isa):
     """The exp runs on max-subtracted scores: large ones do not overflow, and
     scores 100 apart give the far one no weight."""

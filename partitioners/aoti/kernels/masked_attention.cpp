@@ -17,7 +17,9 @@
 // evenly (SmolLM2: 3 on 2 threads, one thread doing two), so there the row's
 // cells are split among the threads instead and the partial softmaxes merged:
 // 1.25-1.4 x faster over 512-1024 cells, the same over 96 (a scratch A/B of
-// the two kernels over 30 layers' pools evicted between calls).
+// the two kernels over 30 layers' pools evicted between calls). A row over
+// 256 cells or more takes all its kv heads together, cell block by cell
+// block, so its reads run along the pools (row_heads).
 //
 // Semantics are sdpa's with a boolean mask and GQA: out[h, t] =
 // softmax(scale * q[h, t] . k[h / G, c] over visible c) . v[h / G, c];
@@ -32,6 +34,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -98,6 +101,14 @@ inline void dot4(const float* q, const E* k, const int64_t* cells, int64_t k_sc,
   total4(a0, a1, a2, a3, scale, out);
 }
 
+// the cells c < C that a mask row sees (row[c * m_sc] set), in order, into cells; returns how many
+inline int64_t visible(const bool* row, int64_t m_sc, int64_t C, int64_t* cells) {
+  int64_t n = 0;
+  for (int64_t c = 0; c < C; c++)
+    if (row[c * m_sc]) cells[n++] = c;
+  return n;
+}
+
 inline float largest(const float* p, int64_t n) {
   float top = -INFINITY;
   for (int64_t j = 0; j < n; j++) top = p[j] > top ? p[j] : top;
@@ -127,6 +138,46 @@ inline float exp_below(float* p, int64_t n, float top) {
 // each key and value row loaded once serves them all
 constexpr int HEADS_MAX = REGISTERS == 32 ? 4 : 2;
 
+// f(std::integral_constant<int, g>()) for a tile of g heads (1..HEADS_MAX): its size as a template argument
+template <typename F>
+inline void tile_of(int64_t g, F f) {
+  if (g == 1)
+    f(std::integral_constant<int, 1>());
+  else if (g == 2)
+    f(std::integral_constant<int, 2>());
+  else if constexpr (HEADS_MAX == 4) {
+    if (g == 3)
+      f(std::integral_constant<int, 3>());
+    else
+      f(std::integral_constant<int, 4>());
+  }
+}
+
+// scale * q_g . k[cells[c]] for the G query rows q + g * q_sh and the 4 cells cells[0..4), into p + g * ps + c:
+// each key vector loaded once for the G heads. Always inlined: called as a function of its own from
+// row_heads, GCC kept 3 of its 8 accumulators on the stack (the register test)
+template <int G, typename E>
+__attribute__((always_inline)) inline void score4(const float* q, int64_t q_sh, const E* kh, int64_t k_sc,
+                                                 const int64_t* cells, int64_t D, float scale, float* p, int64_t ps) {
+  const E* rows[4] = {kh + cells[0] * k_sc, kh + cells[1] * k_sc, kh + cells[2] * k_sc, kh + cells[3] * k_sc};
+  vec acc[G][4];
+  clear(acc);
+  for (int64_t d = 0; d < D; d += LANES) {
+    const int w = D - d < LANES ? (int)(D - d) : LANES;
+    vec key[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) key[c] = load_upto(rows[c] + d, w);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++) {
+      const vec qv = load_upto(q + g * q_sh + d, w);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; c++) acc[g][c] = fma(qv, key[c], acc[g][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; g++) total4(acc[g][0], acc[g][1], acc[g][2], acc[g][3], scale, p + g * ps);
+}
+
 // scale * q_g . k[cells[j]] for the G query rows q + g * q_sh and cells[0..n), into p + g * ps + j; four
 // cells at a time, each key vector loaded once for the G heads
 template <int G, typename E>
@@ -136,42 +187,34 @@ inline void scores(const float* q, int64_t q_sh, const E* kh, int64_t k_sc, cons
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     for (int64_t i = j + AHEAD; i < j + AHEAD + 4 && i < n; i++) fetch_row(kh + cells[i] * k_sc, D);
-    const E* rows[4] = {kh + cells[j] * k_sc, kh + cells[j + 1] * k_sc, kh + cells[j + 2] * k_sc,
-                        kh + cells[j + 3] * k_sc};
-    vec acc[G][4];
-    clear(acc);
-    for (int64_t d = 0; d < D; d += LANES) {
-      const int w = D - d < LANES ? (int)(D - d) : LANES;
-      vec key[4];
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; c++) key[c] = load_upto(rows[c] + d, w);
-#pragma GCC unroll 4
-      for (int g = 0; g < G; g++) {
-        const vec qv = load_upto(q + g * q_sh + d, w);
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; c++) acc[g][c] = fma(qv, key[c], acc[g][c]);
-      }
-    }
-#pragma GCC unroll 4
-    for (int g = 0; g < G; g++) total4(acc[g][0], acc[g][1], acc[g][2], acc[g][3], scale, p + g * ps + j);
+    score4<G>(q, q_sh, kh, k_sc, cells + j, D, scale, p + j, ps);
   }
   for (; j < n; j++)
     for (int g = 0; g < G; g++) p[g * ps + j] = scale * dot(q + g * q_sh, kh + cells[j] * k_sc, D);
 }
 
 // o + g * o_sh = inverse[g] * sum_i p[g * ps + i] * v[cells[i]] for the G heads: each value vector loaded once
-// for them all, DV vectors of dims at a time (as many as leave registers for the loads)
+// for them all, DV vectors of dims at a time (as many as leave registers for the loads). Over cells i0..i1 of
+// the n: the sums start from zero at i0 == 0 and otherwise from what o holds (the earlier cells'), and are
+// scaled by inverse at i1 == n, so a row's cells taken a block at a time sum exactly as all at once. With
+// `fetch`, the value rows AHEAD cells on are fetched into L2 as it goes
 template <int G, typename E>
-inline void weighted_values(const float* p, int64_t ps, const int64_t* cells, int64_t n, const E* vh, int64_t v_sc,
-                            int64_t D, const float* inverse, float* o, int64_t o_sh) {
+inline void weighted_values(const float* p, int64_t ps, const int64_t* cells, int64_t i0, int64_t i1, int64_t n,
+                            const E* vh, int64_t v_sc, int64_t D, const float* inverse, float* o, int64_t o_sh,
+                            bool fetch) {
   constexpr int DV = G * 8 <= REGISTERS - 8 ? 8 : G * 4 <= REGISTERS - 8 ? 4 : 2;
-  for (int64_t i = 0; i < AHEAD && i < n; i++) fetch_row(vh + cells[i] * v_sc, D);
+  const bool first = i0 == 0, last = i1 == n;
+  if (fetch)
+    for (int64_t i = i0; i < i0 + AHEAD && i < n; i++) fetch_row(vh + cells[i] * v_sc, D);
   int64_t d0 = 0;
   for (; d0 + DV * LANES <= D; d0 += DV * LANES) {
     vec acc[G][DV];
-    clear(acc);
-    for (int64_t i = 0; i < n; i++) {
-      if (d0 == 0 && i + AHEAD < n) fetch_row(vh + cells[i + AHEAD] * v_sc, D);  // later passes find them in L2
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 8
+      for (int b = 0; b < DV; b++) acc[g][b] = first ? zero() : load(o + g * o_sh + d0 + LANES * b);
+    for (int64_t i = i0; i < i1; i++) {
+      if (fetch && d0 == 0 && i + AHEAD < n) fetch_row(vh + cells[i + AHEAD] * v_sc, D);  // later passes find them in L2
       const E* row = vh + cells[i] * v_sc + d0;
       vec weight[G];
 #pragma GCC unroll 4
@@ -184,17 +227,18 @@ inline void weighted_values(const float* p, int64_t ps, const int64_t* cells, in
       }
     }
     for (int g = 0; g < G; g++)
-      for (int b = 0; b < DV; b++) store(o + g * o_sh + d0 + LANES * b, mul(acc[g][b], broadcast(inverse[g])));
+      for (int b = 0; b < DV; b++)
+        store(o + g * o_sh + d0 + LANES * b, last ? mul(acc[g][b], broadcast(inverse[g])) : acc[g][b]);
   }
   for (; d0 < D; d0 += LANES) {  // the dims past the last whole DV vectors, a vector at a time
     const int w = D - d0 < LANES ? (int)(D - d0) : LANES;
     vec acc[G];
-    for (int g = 0; g < G; g++) acc[g] = zero();
-    for (int64_t i = 0; i < n; i++) {
+    for (int g = 0; g < G; g++) acc[g] = first ? zero() : load_first(o + g * o_sh + d0, w);
+    for (int64_t i = i0; i < i1; i++) {
       const vec value = load_upto(vh + cells[i] * v_sc + d0, w);
       for (int g = 0; g < G; g++) acc[g] = fma(broadcast(p[g * ps + i]), value, acc[g]);
     }
-    for (int g = 0; g < G; g++) store_first(o + g * o_sh + d0, mul(acc[g], broadcast(inverse[g])), w);
+    for (int g = 0; g < G; g++) store_first(o + g * o_sh + d0, last ? mul(acc[g], broadcast(inverse[g])) : acc[g], w);
   }
 }
 
@@ -216,7 +260,7 @@ void head_tile(const float* q, int64_t q_sh, const E* kh, int64_t k_sc, const E*
     }
     inverse[g] = tops ? 1.0f : 1.0f / sum;
   }
-  weighted_values<G>(p, ps, cells, n, vh, v_sc, D, inverse, o, o_sh);
+  weighted_values<G>(p, ps, cells, 0, n, n, vh, v_sc, D, inverse, o, o_sh, true);
 }
 
 // query heads h0..h1 of one kv head, HEADS_MAX at a time (arguments as head_tile's, per head h - h0)
@@ -230,17 +274,99 @@ void heads(int64_t h0, int64_t h1, const float* q, int64_t q_sh, const E* kh, in
     float* oh = o + i * o_sh;
     float* th = tops ? tops + i : nullptr;
     float* sh = sums ? sums + i : nullptr;
-    const int64_t g = h1 - h < HEADS_MAX ? h1 - h : HEADS_MAX;
-    if (g == 1)
-      head_tile<1>(qh, q_sh, kh, k_sc, vh, v_sc, cells, n, D, scale, p, ps, oh, o_sh, th, sh);
-    else if (g == 2)
-      head_tile<2>(qh, q_sh, kh, k_sc, vh, v_sc, cells, n, D, scale, p, ps, oh, o_sh, th, sh);
-    else if constexpr (HEADS_MAX == 4) {
-      if (g == 3)
-        head_tile<3>(qh, q_sh, kh, k_sc, vh, v_sc, cells, n, D, scale, p, ps, oh, o_sh, th, sh);
-      else
-        head_tile<4>(qh, q_sh, kh, k_sc, vh, v_sc, cells, n, D, scale, p, ps, oh, o_sh, th, sh);
+    tile_of(h1 - h < HEADS_MAX ? h1 - h : HEADS_MAX, [&](auto g) {
+      head_tile<decltype(g)::value>(qh, q_sh, kh, k_sc, vh, v_sc, cells, n, D, scale, p, ps, oh, o_sh, th, sh);
+    });
+  }
+}
+
+// row_heads: how many cells ahead of the ones being read a cell's key or
+// value rows of every kv head are fetched into L2, how many cells a block
+// takes (its scores, then its values, kv head by kv head), the fewest cells
+// a row takes it over (shorter rows go kv head by kv head: heads), and the
+// most scores it holds (every head's over the row's cells, in floats; past
+// that too, kv head by kv head)
+constexpr int64_t ROW_AHEAD = 16, BLOCK = 16, ROW_MIN_CELLS = 256, ROW_SCORES_MAX = 1 << 18;
+
+// every query head of one row (query rows q + h * q_sh) over cells[0..n), into o + h * o_sh, as head_tile
+// (tops and sums: each head's partial softmax, or null), with the same sums in the same order. A cell's key
+// rows (and value rows) of every kv head lie side by side in the pools, so the cells go by in blocks, each
+// block's rows of every kv head together: the reads run along the pools, where a walk kv head by kv head
+// reads a third (a fifth, ...) of each cell's row, a pool row apart, as many times over. python
+// bench/ab_attention.py (decode rows from memory, 30 layers, a Zen 3): SmolLM2's heads over 1024 cells a
+// session 0.90-0.99 x the time at 1 session, 0.93-0.97 at 8 (4 runs); the 1B shape's 0.85-0.87 at 8 and
+// 0.97-1.01 at 1 (2 runs). A run's rows over 160 cells, on the walk below either way, vary 0.93-1.03.
+// Over 160 cells a session the 1B shape's 8 sessions took 1.07 x (1.2 x in blocks of 4 cells): rows under
+// ROW_MIN_CELLS keep the walk kv head by kv head. p: H * ps floats, ps >= n + LANES
+template <typename E>
+void row_heads(const float* q, int64_t q_sh, const E* k, int64_t k_sh, int64_t k_sc, const E* v, int64_t v_sh,
+               int64_t v_sc, const int64_t* cells, int64_t n, int64_t D, int64_t H, int64_t Hkv, float scale,
+               float* p, int64_t ps, float* o, int64_t o_sh, float* tops, float* sums) {
+  const int64_t group = H / Hkv;
+  const auto fetch_cell = [&](const E* pool, int64_t sh, int64_t sc, int64_t cell) {
+    for (int64_t kvh = 0; kvh < Hkv; kvh++) fetch_row(pool + kvh * sh + cell * sc, D);
+  };
+  // each kv head's group, HEADS_MAX heads at a time: f(first head, heads)
+  const auto by_tiles = [&](int64_t kvh, auto f) {
+    for (int64_t h = kvh * group; h < (kvh + 1) * group; h += HEADS_MAX)
+      f(h, std::min<int64_t>(HEADS_MAX, (kvh + 1) * group - h));
+  };
+  for (int64_t i = 0; i < ROW_AHEAD && i < n; i++) fetch_cell(k, k_sh, k_sc, cells[i]);
+  const int64_t whole = n / 4 * 4;  // the cells scored 4 at a time
+  for (int64_t j0 = 0; j0 < whole; j0 += BLOCK) {
+    const int64_t j1 = std::min(whole, j0 + BLOCK);
+    for (int64_t i = j0 + ROW_AHEAD; i < j1 + ROW_AHEAD && i < n; i++) fetch_cell(k, k_sh, k_sc, cells[i]);
+    for (int64_t kvh = 0; kvh < Hkv; kvh++)
+      by_tiles(kvh, [&](int64_t h, int64_t g) {
+        const float* qh = q + h * q_sh;
+        const E* kh = k + kvh * k_sh;
+        tile_of(g, [&](auto G) {
+          for (int64_t j = j0; j < j1; j += 4)
+            score4<decltype(G)::value>(qh, q_sh, kh, k_sc, cells + j, D, scale, p + h * ps + j, ps);
+        });
+      });
+  }
+  for (int64_t j = whole; j < n; j++)
+    for (int64_t h = 0; h < H; h++) p[h * ps + j] = scale * dot(q + h * q_sh, k + h / group * k_sh + cells[j] * k_sc, D);
+  std::vector<float> inverse(H);
+  for (int64_t h = 0; h < H; h++) {
+    const float top = largest(p + h * ps, n), sum = exp_below(p + h * ps, n, top);
+    if (tops) {
+      tops[h] = top;
+      sums[h] = sum;
     }
+    inverse[h] = tops ? 1.0f : 1.0f / sum;
+  }
+  for (int64_t i = 0; i < ROW_AHEAD && i < n; i++) fetch_cell(v, v_sh, v_sc, cells[i]);
+  for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {
+    const int64_t i1 = std::min(n, i0 + BLOCK);
+    for (int64_t i = i0 + ROW_AHEAD; i < i1 + ROW_AHEAD && i < n; i++) fetch_cell(v, v_sh, v_sc, cells[i]);
+    for (int64_t kvh = 0; kvh < Hkv; kvh++)
+      by_tiles(kvh, [&](int64_t h, int64_t g) {
+        tile_of(g, [&](auto G) {
+          weighted_values<decltype(G)::value>(p + h * ps, ps, cells, i0, i1, n, v + kvh * v_sh, v_sc, D, &inverse[h],
+                                              o + h * o_sh, o_sh, false);
+        });
+      });
+  }
+}
+
+// one row's heads over cells[0..n), into o + h * o_sh (tops, sums as row_heads'): row_heads where every
+// head's scores fit in ROW_SCORES_MAX, else kv head by kv head; p grows to what it takes
+template <typename E>
+void attend_row(const float* q, int64_t q_sh, const E* k, int64_t k_sh, int64_t k_sc, const E* v, int64_t v_sh,
+                int64_t v_sc, const int64_t* cells, int64_t n, int64_t D, int64_t H, int64_t Hkv, float scale,
+                std::vector<float>& p, float* o, int64_t o_sh, float* tops, float* sums) {
+  const int64_t ps = n + LANES, group = H / Hkv;
+  const int64_t rows = n >= ROW_MIN_CELLS && H * ps <= ROW_SCORES_MAX ? H : std::min(group, (int64_t)HEADS_MAX);
+  if ((int64_t)p.size() < rows * ps) p.resize(rows * ps);
+  if (rows == H)
+    return row_heads(q, q_sh, k, k_sh, k_sc, v, v_sh, v_sc, cells, n, D, H, Hkv, scale, p.data(), ps, o, o_sh, tops,
+                     sums);
+  for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+    const int64_t h0 = kvh * group;
+    heads(h0, h0 + group, q + h0 * q_sh, q_sh, k + kvh * k_sh, k_sc, v + kvh * v_sh, v_sc, cells, n, D, scale, p.data(),
+          ps, o + h0 * o_sh, o_sh, tops ? tops + h0 : nullptr, sums ? sums + h0 : nullptr);
   }
 }
 
@@ -261,6 +387,29 @@ void attend_by_heads(const float* q, int64_t q_sh, int64_t q_st, const E* k, int
     both += mask[c * m_sc] && mask[(T - 1) * m_st + c * m_sc];
   }
   const bool by_kv_head = T > 1 && 2 * both > first;
+  const int64_t threads = omp_get_max_threads();
+  // rows that see different cells (several sessions'), long ones (judged by the first row's), as many as the
+  // threads share evenly or nearly: a row a task, its kv heads together (attend_row)
+  if (!by_kv_head && first >= ROW_MIN_CELLS && (T % threads == 0 || T >= 4 * threads)) {
+#pragma omp parallel
+    {
+      std::vector<int64_t> cells(C);
+      std::vector<float> p;
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T; t++) {
+        const int64_t n = visible(mask + t * m_st, m_sc, C, cells.data());
+        float* o = out + t * D;  // head h's row at o + h * T * D
+        if (n == 0) {
+          for (int64_t h = 0; h < H; h++)
+            for (int64_t d = 0; d < D; d++) o[h * T * D + d] = 0.0f;
+          continue;
+        }
+        attend_row(q + t * q_st, q_sh, k, k_sh, k_sc, v, v_sh, v_sc, cells.data(), n, D, H, Hkv, scale, p, o, T * D,
+                   nullptr, nullptr);
+      }
+    }
+    return;
+  }
 #pragma omp parallel
   {
     std::vector<int64_t> cells(C);
@@ -270,9 +419,7 @@ void attend_by_heads(const float* q, int64_t q_sh, int64_t q_st, const E* k, int
     for (int64_t task = 0; task < T * Hkv; task++) {
       const int64_t kvh = by_kv_head ? task / T : task % Hkv, t = by_kv_head ? task % T : task / Hkv;
       if (t != gathered) {
-        n = 0;
-        for (int64_t c = 0; c < C; c++)
-          if (mask[t * m_st + c * m_sc]) cells[n++] = c;
+        n = visible(mask + t * m_st, m_sc, C, cells.data());
         gathered = t;
       }
       float* o = out + (kvh * group * T + t) * D;  // head h's row at o + (h - kvh * group) * T * D
@@ -297,27 +444,21 @@ template <typename E>
 void attend_by_cells(const float* q, int64_t q_sh, int64_t q_st, const E* k, int64_t k_sh, int64_t k_sc, const E* v,
                      int64_t v_sh, int64_t v_sc, const bool* mask, int64_t m_st, int64_t m_sc, float* out, int64_t H,
                      int64_t Hkv, int64_t T, int64_t C, int64_t D, float scale, int64_t parts) {
-  const int64_t group = H / Hkv;
   std::vector<int64_t> cells(T * C), seen(T, 0);  // each row's visible cells, and how many
-  for (int64_t t = 0; t < T; t++)
-    for (int64_t c = 0; c < C; c++)
-      if (mask[t * m_st + c * m_sc]) cells[t * C + seen[t]++] = c;
+  for (int64_t t = 0; t < T; t++) seen[t] = visible(mask + t * m_st, m_sc, C, &cells[t * C]);
   // per (row, part, head): the partial's largest score, its sum, its D weighted values
   std::vector<float> tops(T * parts * H, -INFINITY), sums(T * parts * H, 0.0f), partial(T * parts * H * D);
-  const int64_t ps = C / parts + 1 + LANES;
 #pragma omp parallel
   {
-    std::vector<float> p(std::min<int64_t>(group, HEADS_MAX) * ps);
+    std::vector<float> p;
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < T * parts; task++) {
       const int64_t t = task / parts, part = task % parts;
       const int64_t j0 = seen[t] * part / parts, n = seen[t] * (part + 1) / parts - j0;
       if (n == 0) continue;
-      for (int64_t kvh = 0; kvh < Hkv; kvh++) {
-        const int64_t h0 = kvh * group, at = task * H + h0;
-        heads(h0, h0 + group, q + h0 * q_sh + t * q_st, q_sh, k + kvh * k_sh, k_sc, v + kvh * v_sh, v_sc,
-              &cells[t * C + j0], n, D, scale, p.data(), ps, &partial[at * D], D, &tops[at], &sums[at]);
-      }
+      const int64_t at = task * H;
+      attend_row(q + t * q_st, q_sh, k, k_sh, k_sc, v, v_sh, v_sc, &cells[t * C + j0], n, D, H, Hkv, scale, p,
+                 &partial[at * D], D, &tops[at], &sums[at]);
     }
   }
   for (int64_t t = 0; t < T; t++)
