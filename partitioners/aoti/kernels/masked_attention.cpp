@@ -242,6 +242,19 @@ inline void weighted_values(const float* p, int64_t ps, const int64_t* cells, in
   }
 }
 
+// the score rows p + h * ps (n scores each) of `heads` heads as e^(score - the row's largest); with tops and
+// sums, each row's largest and sum go there and inverse[h] is 1 (a partial softmax), else 1 / the sum
+inline void softmax_rows(float* p, int64_t ps, int64_t n, int64_t heads, float* inverse, float* tops, float* sums) {
+  for (int64_t h = 0; h < heads; h++) {
+    const float top = largest(p + h * ps, n), sum = exp_below(p + h * ps, n, top);
+    if (tops) {
+      tops[h] = top;
+      sums[h] = sum;
+    }
+    inverse[h] = tops ? 1.0f : 1.0f / sum;
+  }
+}
+
 // G query heads of one kv head (query rows q + g * q_sh) over cells[0..n), into o + g * o_sh: with `tops` and
 // `sums` null, the exact softmax's weighted values; otherwise each head's partial softmax (its largest score
 // to tops[g], its sum of e^(s - largest) to sums[g], the values weighted by those, unnormalized). p: G * ps
@@ -252,14 +265,7 @@ void head_tile(const float* q, int64_t q_sh, const E* kh, int64_t k_sc, const E*
                float* tops, float* sums) {
   scores<G>(q, q_sh, kh, k_sc, cells, n, D, scale, p, ps);
   float inverse[G];
-  for (int g = 0; g < G; g++) {
-    const float top = largest(p + g * ps, n), sum = exp_below(p + g * ps, n, top);
-    if (tops) {
-      tops[g] = top;
-      sums[g] = sum;
-    }
-    inverse[g] = tops ? 1.0f : 1.0f / sum;
-  }
+  softmax_rows(p, ps, n, G, inverse, tops, sums);
   weighted_values<G>(p, ps, cells, 0, n, n, vh, v_sc, D, inverse, o, o_sh, true);
 }
 
@@ -329,14 +335,7 @@ void row_heads(const float* q, int64_t q_sh, const E* k, int64_t k_sh, int64_t k
   for (int64_t j = whole; j < n; j++)
     for (int64_t h = 0; h < H; h++) p[h * ps + j] = scale * dot(q + h * q_sh, k + h / group * k_sh + cells[j] * k_sc, D);
   std::vector<float> inverse(H);
-  for (int64_t h = 0; h < H; h++) {
-    const float top = largest(p + h * ps, n), sum = exp_below(p + h * ps, n, top);
-    if (tops) {
-      tops[h] = top;
-      sums[h] = sum;
-    }
-    inverse[h] = tops ? 1.0f : 1.0f / sum;
-  }
+  softmax_rows(p, ps, n, H, inverse.data(), tops, sums);
   for (int64_t i = 0; i < ROW_AHEAD && i < n; i++) fetch_cell(v, v_sh, v_sc, cells[i]);
   for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {
     const int64_t i1 = std::min(n, i0 + BLOCK);
