@@ -15,7 +15,6 @@ below 1 is faster) and whether both builds give the same bits.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import tempfile
 import time
@@ -23,19 +22,12 @@ from pathlib import Path
 
 import torch
 
-from ab_kernels import build_revision
+from ab_kernels import build_revision, typed
 from common import cpu_model, emit
 from kvexport.partitioners.aoti.kernels import build
+from kvexport.partitioners.aoti.kernels.signatures import MASKED_ATTENTION
 
 LAYERS = 30
-
-
-def entry(library: Path):
-    function = ctypes.CDLL(str(library)).kvexport_masked_attention
-    I, P = ctypes.c_int64, ctypes.c_void_p
-    function.argtypes = [P, I, I, P, I, I, P, I, I, P, I, I, P, I, I, I, I, I, ctypes.c_float]
-    function.restype = None
-    return function
 
 
 def step(function, q, mask, pools, out, heads: int, kv_heads: int, dim: int) -> None:
@@ -54,8 +46,8 @@ def main() -> None:
     args = parser.parse_args()
     heads, kv_heads, dim = (int(v) for v in args.heads.split(","))
     with tempfile.TemporaryDirectory() as scratch:
-        builds = {"base": entry(build_revision(args.base, None, Path(scratch))),
-                  "tree": entry(build._build("shared") / f"lib{build.LIBRARY}.so")}
+        builds = {"base": typed(build_revision(args.base, None, Path(scratch)), MASKED_ATTENTION),
+                  "tree": typed(build._build("shared") / f"lib{build.LIBRARY}.so", MASKED_ATTENTION)}
         evict = torch.ones(64 << 20)  # 256 MB read before each step, as the weights' stream evicts the pools
         results = []
         for shape in args.shapes.split(","):

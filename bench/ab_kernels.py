@@ -87,12 +87,16 @@ def build_revision(revision: str, isa: str | None, out: Path, kind: str = "share
 CODES = {"4w": (4, 32), "8w": (8, None)}  # the int8 kernel's weights: bits, and the group (None: one a row)
 
 
-def entry(library: Path, dtype: str):
-    """The row kernel's fp32 or bf16 entry, or the int8 kernel's, in `library`, typed by its declared signature."""
-    kernel = INT8_LINEAR if dtype in CODES else ROWS_LINEAR if dtype == "fp32" else ROWS_LINEAR_BF16
+def typed(library: Path, kernel):
+    """`kernel`'s entry (a signatures.Kernel) in `library`, typed by its declared signature."""
     function = getattr(ctypes.CDLL(str(library)), kernel.symbol)
     function.argtypes, function.restype = kernel.argtypes(), None
     return function
+
+
+def entry(library: Path, dtype: str):
+    """The row kernel's fp32 or bf16 entry, or the int8 kernel's, in `library`."""
+    return typed(library, INT8_LINEAR if dtype in CODES else ROWS_LINEAR if dtype == "fp32" else ROWS_LINEAR_BF16)
 
 
 def shim(library: Path):
