@@ -397,7 +397,8 @@ def test_masked_attention_splits_a_rows_cells_among_threads(isa, shims, threads,
 
 # (heads, kv heads, head dim, rows, cells a row): groups of 3, 7 (tiles of 4 + 3, or 2 + 2 + 2 + 1 on AVX2)
 # and 1 with head-dim tails; rows of a session each (the pool's cells dealt out in runs of 64), and one
-# row over more heads' scores than the kernel holds at once (64 heads over 4300 cells: kv head by kv head)
+# row over more heads' scores than the kernel holds at once (64 heads over 4300 cells on one thread: kv
+# head by kv head)
 LONG_ROW_CASES = [(9, 3, 64, 4, 320), (9, 3, 64, 1, 1100), (14, 2, 20, 2, 600), (8, 8, 72, 3, 300), (64, 1, 16, 1, 4300)]
 
 

@@ -303,11 +303,11 @@ constexpr int64_t ROW_AHEAD = 16, BLOCK = 16, ROW_MIN_CELLS = 256, ROW_SCORES_MA
 // session 0.90-0.99 x the time at 1 session, 0.93-0.97 at 8 (4 runs); the 1B shape's 0.85-0.87 at 8 and
 // 0.97-1.01 at 1 (2 runs). A run's rows over 160 cells, on the walk below either way, vary 0.93-1.03.
 // Over 160 cells a session the 1B shape's 8 sessions took 1.07 x (1.2 x in blocks of 4 cells): rows under
-// ROW_MIN_CELLS keep the walk kv head by kv head. p: H * ps floats, ps >= n + LANES
+// ROW_MIN_CELLS keep the walk kv head by kv head. p: H * ps floats, ps >= n + LANES; inverse: H floats
 template <typename E>
 void row_heads(const float* q, int64_t q_sh, const E* k, int64_t k_sh, int64_t k_sc, const E* v, int64_t v_sh,
                int64_t v_sc, const int64_t* cells, int64_t n, int64_t D, int64_t H, int64_t Hkv, float scale,
-               float* p, int64_t ps, float* o, int64_t o_sh, float* tops, float* sums) {
+               float* p, int64_t ps, float* inverse, float* o, int64_t o_sh, float* tops, float* sums) {
   const int64_t group = H / Hkv;
   const auto fetch_cell = [&](const E* pool, int64_t sh, int64_t sc, int64_t cell) {
     for (int64_t kvh = 0; kvh < Hkv; kvh++) fetch_row(pool + kvh * sh + cell * sc, D);
@@ -334,8 +334,7 @@ void row_heads(const float* q, int64_t q_sh, const E* k, int64_t k_sh, int64_t k
   }
   for (int64_t j = whole; j < n; j++)
     for (int64_t h = 0; h < H; h++) p[h * ps + j] = scale * dot(q + h * q_sh, k + h / group * k_sh + cells[j] * k_sc, D);
-  std::vector<float> inverse(H);
-  softmax_rows(p, ps, n, H, inverse.data(), tops, sums);
+  softmax_rows(p, ps, n, H, inverse, tops, sums);
   for (int64_t i = 0; i < ROW_AHEAD && i < n; i++) fetch_cell(v, v_sh, v_sc, cells[i]);
   for (int64_t i0 = 0; i0 < n; i0 += BLOCK) {
     const int64_t i1 = std::min(n, i0 + BLOCK);
@@ -358,10 +357,10 @@ void attend_row(const float* q, int64_t q_sh, const E* k, int64_t k_sh, int64_t 
                 std::vector<float>& p, float* o, int64_t o_sh, float* tops, float* sums) {
   const int64_t ps = n + LANES, group = H / Hkv;
   const int64_t rows = n >= ROW_MIN_CELLS && H * ps <= ROW_SCORES_MAX ? H : std::min(group, (int64_t)HEADS_MAX);
-  if ((int64_t)p.size() < rows * ps) p.resize(rows * ps);
+  if ((int64_t)p.size() < rows * ps + H) p.resize(rows * ps + H);  // the scores, then row_heads' H inverses
   if (rows == H)
-    return row_heads(q, q_sh, k, k_sh, k_sc, v, v_sh, v_sc, cells, n, D, H, Hkv, scale, p.data(), ps, o, o_sh, tops,
-                     sums);
+    return row_heads(q, q_sh, k, k_sh, k_sc, v, v_sh, v_sc, cells, n, D, H, Hkv, scale, p.data(), ps, p.data() + H * ps,
+                     o, o_sh, tops, sums);
   for (int64_t kvh = 0; kvh < Hkv; kvh++) {
     const int64_t h0 = kvh * group;
     heads(h0, h0 + group, q + h0 * q_sh, q_sh, k + kvh * k_sh, k_sc, v + kvh * v_sh, v_sc, cells, n, D, scale, p.data(),
