@@ -6,8 +6,8 @@ rows, in one run:
   from memory: the set is larger than the caches) and what that is per token,
   for 4- and 8-bit codes (per group of 32, and 8-bit per row as 8w stores it),
   weight-only (packed) and with int8 activations (codes in blocks, as
-  --qact int8 stores them; and with two int8 terms, --qact int8x2), the
-  latter on both builds of the int8 kernel where the CPU has VNNI (maddubs,
+  --qact int8 stores them; with two int8 terms, --qact int8x2; with int16
+  codes, --qact int16), the latter on both builds of the int8 kernel where the CPU has VNNI (maddubs,
   vnni);
 - the same products on the row kernel with the fp32 weights, and the BLAS;
   on the row kernel with bf16 rows and weights, both of its builds (widened
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from common import cpu_model, emit
 from floor import read_rate
+from kvexport.contract.schemes import QACT
 from kvexport.partitioners.aoti.kernels import build
 from kvexport.passes.packed_weights import narrow_tables, pack, pack_blocks, pack_table, pad_rows
 
@@ -87,12 +88,12 @@ def packed_call(x, words, scale, offset, bits, rows):
     return direct("packed_linear", x, k, words, scale, offset, out, m, rows, k, words.shape[0], scale.shape[1], bits)
 
 
-def int8_call(x, data, scale, offset, bits, products, terms: int = 1):
+def int8_call(x, data, scale, offset, bits, products, qact: int = 1):
     (m, k), n = x.shape, data.shape[0] * 8
     out = x.new_empty(m, n)
-    build.int8_linear(x, data, scale, offset, bits, terms, out=out, products=products)
+    build.int8_linear(x, data, scale, offset, bits, qact, out=out, products=products)
     return direct(f"int8_linear_{products}", x, k, data, scale, offset, out, m, n, k, scale.shape[1] // 8, bits,
-                  scale.element_size() * 8, terms)
+                  scale.element_size() * 8, qact)
 
 
 def rows_call(x, weight, products: str = ""):
@@ -130,8 +131,9 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     forms = {"4-bit, groups of 32": (4, 32), "8-bit, groups of 32": (8, 32), "8-bit, per row": (8, 0)}
     weights = {name: [packed(n, k, bits, group or k, g) for n, k in shapes] for name, (bits, group) in forms.items()}
-    int8_forms = {"4-bit, groups of 32, int8 activations": (4, 32, 1), "8-bit, per row, int8 activations": (8, 0, 1),
-                  "4-bit, groups of 32, int8x2 activations": (4, 32, 2), "8-bit, per row, int8x2 activations": (8, 0, 2)}
+    # (bits, group, the int8 kernel's qact: contract/schemes.py's QACT index)
+    int8_forms = {f"{bits}-bit, {'groups of 32' if group else 'per row'}, {QACT[qact]} activations": (bits, group, qact)
+                  for qact in (1, 2, 3) for bits, group in ((4, 32), (8, 0))}
     int8_weights = {name: [blocks(n, k, bits, group or k, g) for n, k in shapes] for name, (bits, group, _) in int8_forms.items()}
     int8_products = ["maddubs", "vnni"] if build.has_vnni() else ["maddubs"]  # the int8 kernel's two builds
     fp32 = [torch.randn(n, k, generator=g) for n, k in shapes]
@@ -150,8 +152,8 @@ def main() -> None:
                          "floor_ms": round(nbytes / (read["best_gbps"] * 1e9) * 1e3, 2)}
         for (name, ws), products in itertools.product(int8_weights.items(), int8_products):
             widths = [w[0].shape[1] // w[3] for w in ws]  # a row of data holds a panel's 8 rows: width * bits bytes
-            terms = int8_forms[name][2]
-            seconds = step_seconds([int8_call(xs[k], *w, products, terms) for w, k in zip(ws, widths)], args.repeats)
+            qact = int8_forms[name][2]
+            seconds = step_seconds([int8_call(xs[k], *w, products, qact) for w, k in zip(ws, widths)], args.repeats)
             nbytes = sum(w[0].numel() + (w[1].numel() + w[2].numel()) * w[1].element_size() for w in ws)
             row[f"{name} ({products})"] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),
                                            "floor_ms": round(nbytes / (read["best_gbps"] * 1e9) * 1e3, 2)}
@@ -164,9 +166,9 @@ def main() -> None:
             row[name] = {"ms": round(seconds * 1e3, 2), "tokens_per_s": round(rows / seconds, 1),
                          "floor_ms": round(values * ws[0].element_size() / (read["best_gbps"] * 1e9) * 1e3, 2)}
         x = torch.randn(rows, HOT[1], generator=g)
-        for (name, (bits, group, terms)), products in itertools.product(int8_forms.items(), int8_products):
+        for (name, (bits, group, qact)), products in itertools.product(int8_forms.items(), int8_products):
             w = blocks(*HOT, bits, group or HOT[1], g)
-            seconds = step_seconds([int8_call(x, *w, products, terms)] * 200, args.repeats)
+            seconds = step_seconds([int8_call(x, *w, products, qact)] * 200, args.repeats)
             row[f"{name} ({products}), in cache"] = {"ns_per_block_row": round(seconds / 200 / (HOT[0] * HOT[1] / 32) * 1e9, 3)}
         result["rows"][rows] = row
         print(f"{rows:>2} rows: " + "; ".join(f"{k} {v['ms']} ms (floor {v['floor_ms']})" if "ms" in v else

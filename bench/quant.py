@@ -27,6 +27,7 @@ import torch
 
 from common import cpu_model, emit, weight_read_gbps
 from decode import decode_seconds
+from kvexport.contract.schemes import ROUNDED
 from kvexport.exporter.sources.models import load_model
 from kvexport.runtime.verify import method_logits
 from kvexport.runtime import generate, load
@@ -138,8 +139,8 @@ def main() -> None:
         if backend in fp32_bytes:
             row["package_over_fp32_package"] = round(package_bytes / fp32_bytes[backend], 3)
         linears = [c for c in manifest.get("quantization", {}).get("coverage", []) if c["kind"] == "linear"]
-        if linears:  # how many linears take int8 activations (--qact int8, or int8x2: two int8 terms)
-            for qact in ("int8", "int8x2"):
+        if linears:  # how many linears take rounded activations (--qact int8, int8x2: two int8 terms, or int16)
+            for qact in ROUNDED:
                 taking = sum(c.get("activations") == qact for c in linears)
                 if taking or qact == "int8":
                     row[f"linears_with_{qact}_activations"] = f"{taking}/{len(linears)}"

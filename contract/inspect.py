@@ -162,7 +162,8 @@ def render(info: dict[str, Any]) -> str:
         if int8:
             taking = sum(1 for r in int8 if r["activations"] in schemes.ROUNDED)
             named = schemes.rounding_named([r["activations"] for r in int8])
-            lines.append(f"  {named} activations on {taking} of {len(int8)} quantized linears (--qact {named})")
+            how = f"--qact {named}" if named in schemes.QACT else "each by its codes' width"
+            lines.append(f"  {named} activations on {taking} of {len(int8)} quantized linears ({how})")
         for r in rows:
             if not r.get("scheme"):
                 lines.append(f"  skipped {r.get('module')}: {r.get('skipped')}")

@@ -39,7 +39,7 @@ TOP = 5
 # (Q4_1 kept, AVX-512 with VNNI), the top logits mostly moving together;
 # the portable package, the same arithmetic in another order, by up to 0.20.
 # Such packages get bf16's logit tolerances and a wider tie margin; so do
-# --qact int8x2 ones, whose second term leaves far smaller flips.
+# --qact int8x2 and int16 ones, whose finer steps leave far smaller flips.
 TOLERANCES = {"fp32": (0.05, 1e-2, 1e-3), "bf16": (0.5, 0.5, 4e-2), "int8 activations": (1.0, 0.5, 4e-2)}
 INT8_ACTIVATIONS = "int8 activations"
 

@@ -181,11 +181,12 @@ def backend_options(state: ExportState) -> None:
 
 
 def _qact(spec, options) -> str:
-    """--qact as asked, or int8 where the backend multiplies int8 activations
+    """--qact as asked, or each linear's by its codes' width
+    (schemes.QACT_BY_BITS) where the backend multiplies rounded activations
     on its own kernels and the scheme can take them."""
     if spec.qact:
         return spec.qact
-    return "int8" if options.int8_products and schemes.int8_activations(schemes.BY_NAME.get(spec.qlinear)) else "none"
+    return schemes.BY_WIDTH if options.int8_products and schemes.int8_activations(schemes.BY_NAME.get(spec.qlinear)) else "none"
 
 
 @step("reference (float)")

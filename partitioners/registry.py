@@ -33,7 +33,7 @@ class BackendOptions:
 
     device: str = "cpu"
     compile_workers: int = 0  # processes its compile hook runs at once (the memory plan counts each)
-    # products with int8 activations run on its integer kernels: --qact's default is int8
+    # products with rounded activations run on its integer kernels: --qact's default is by the codes' width
     int8_products: bool = False
 
 

@@ -224,20 +224,34 @@ def _dequantize_blocks(data, scale, offset, bits: int, dtype: torch.dtype) -> to
 
 
 INV_127 = 1.0 / 127  # an int8 code's step is a block's largest magnitude times this (rounded to fp32)
+INV_32767 = 1.0 / 32767  # an int16 code's
 SMALLEST_TOP = 1e-30  # a block's largest magnitude counts as at least this, so an all-zero block has a step
 
 
-def _int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x with every row's blocks of 32 values rounded to int8 codes times a
-    step per block (symmetric: step = largest magnitude / 127), as float:
-    what an integer kernel multiplies. Written with the operators a stored
-    program may call (no abs: the larger of the max and minus the min)."""
+def _rounded_blocks(x: torch.Tensor, inverse_limit: float) -> torch.Tensor:
+    """x with every row's blocks of 32 values rounded to integer codes
+    times a step per block (symmetric: step = largest magnitude times
+    `inverse_limit`), as float: what an integer kernel multiplies. Written
+    with the operators a stored program may call (no abs: the larger of the
+    max and minus the min)."""
     *lead, k = x.shape
     blocks = x.reshape(*lead, k // BLOCK, BLOCK)
     top = torch.maximum(torch.amax(blocks, -1, True), torch.neg(torch.amin(blocks, -1, True)))
-    step = torch.mul(torch.clamp(top, SMALLEST_TOP), INV_127)
+    step = torch.mul(torch.clamp(top, SMALLEST_TOP), inverse_limit)
     codes = torch.round(torch.div(blocks, step))
     return torch.mul(codes, step).reshape(x.shape)
+
+
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded per block of 32 to int8 codes (step = largest magnitude / 127)."""
+    return _rounded_blocks(x, INV_127)
+
+
+def _int16_rows(x: torch.Tensor) -> torch.Tensor:
+    """x rounded per block of 32 to int16 codes (step = largest magnitude /
+    32767, --qact int16): 16 bits of each activation, whose products with 4-
+    or 8-bit codes are sums of int16 pairs."""
+    return _rounded_blocks(x, INV_32767)
 
 
 def _int8x2_rows(x: torch.Tensor) -> torch.Tensor:
@@ -255,6 +269,8 @@ _LIB.define("int8_rows(Tensor x) -> Tensor")
 _LIB.impl("int8_rows", _int8_rows, "CompositeImplicitAutograd")
 _LIB.define("int8x2_rows(Tensor x) -> Tensor")
 _LIB.impl("int8x2_rows", _int8x2_rows, "CompositeImplicitAutograd")
+_LIB.define("int16_rows(Tensor x) -> Tensor")
+_LIB.impl("int16_rows", _int16_rows, "CompositeImplicitAutograd")
 
 
 def dequantize_blocks(data, scale, offset, bits: int, dtype: torch.dtype) -> torch.Tensor:
@@ -269,9 +285,13 @@ def int8x2_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.ops.kvexport.int8x2_rows(x)
 
 
+def int16_rows(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.kvexport.int16_rows(x)
+
+
 def rounded_rows(x: torch.Tensor, qact: str) -> torch.Tensor:
     """x as a product with `qact` activations (contract/schemes.py) takes it."""
-    return int8x2_rows(x) if qact == "int8x2" else int8_rows(x)
+    return {"int8x2": int8x2_rows, "int16": int16_rows}.get(qact, int8_rows)(x)
 
 
 def _is_packed(node: object) -> bool:

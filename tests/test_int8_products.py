@@ -26,7 +26,7 @@ from kvexport.partitioners.aoti.passes.int8_linear import INT8_LINEAR, Int8Linea
 from kvexport.passes.base import run_passes
 from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
 from kvexport.passes.packed_weights import (
-    INV_127, _dequantize_blocks, int8_rows, int8x2_rows, narrow_tables, pack_blocks, pack_table, unpack_blocks,
+    INV_127, INV_32767, _dequantize_blocks, int8_rows, int8x2_rows, int16_rows, narrow_tables, pack_blocks, pack_table, unpack_blocks,
     unpack_table,
 )
 
@@ -59,18 +59,20 @@ def test_tables_keep_fp16_only_where_it_holds_them():
     assert torch.equal(unpack_table(pack_table(scale)), scale)
 
 
-def test_int8_rows_round_each_block_to_127_steps_of_its_largest_magnitude():
+@pytest.mark.parametrize("rows,inverse,limit", [(int8_rows, INV_127, 127), (int16_rows, INV_32767, 32767)])
+def test_rounded_rows_round_each_block_to_whole_steps_of_its_largest_magnitude(rows, inverse, limit):
+    """int8_rows: 127 steps to a block's top; int16_rows: 32767."""
     torch.manual_seed(0)
     x = torch.randn(3, 96) * torch.tensor([1.0, 1e3, 1e-3]).repeat_interleave(32)
     x[1, :32] = 0.0
-    got = int8_rows(x).reshape(3, 3, 32)
+    got = rows(x).reshape(3, 3, 32)
     blocks = x.reshape(3, 3, 32)
     top = blocks.abs().amax(-1, keepdim=True)
-    step = top * torch.tensor(INV_127, dtype=torch.float32)
+    step = top * torch.tensor(inverse, dtype=torch.float32)
     codes = got / torch.where(step > 0, step, 1.0)
-    assert (codes - codes.round()).abs().max() < 1e-4 and codes.round().abs().max() == 127
-    assert ((got - blocks).abs() <= step / 2 * (1 + 1e-6)).all()  # half a step at most
-    torch.testing.assert_close(got.abs().amax(-1, keepdim=True), top, rtol=1e-6, atol=0)  # the largest: 127 steps
+    assert (codes - codes.round()).abs().max() < limit * 1e-6 and codes.round().abs().max() == limit
+    assert ((got - blocks).abs() <= step / 2 * (1 + 1e-6) + blocks.abs() * 2**-23).all()  # half a step at most
+    torch.testing.assert_close(got.abs().amax(-1, keepdim=True), top, rtol=1e-6, atol=0)  # the largest: `limit` steps
     assert torch.equal(got[1, 0], torch.zeros(32))  # an all-zero block stays zero
 
 
@@ -91,7 +93,7 @@ def test_int8x2_rows_add_the_rounding_error_rounded_alike():
     assert torch.equal(got[1, :32], torch.zeros(32))
 
 
-@pytest.mark.parametrize("qact", ["int8", "int8x2"])
+@pytest.mark.parametrize("qact", ["int8", "int8x2", "int16"])
 def test_the_stored_rounding_calls_only_allowlisted_operators(qact):
     module = Int8Linear(pack_blocks(torch.zeros(8, 64, dtype=torch.uint8), 4), torch.ones(1, 16).half(),
                         torch.zeros(1, 16).half(), 4, qact=qact)
@@ -144,7 +146,21 @@ def test_qact_int8_rounds_the_activations_of_the_linears_that_can_take_it():
     assert isinstance(odd_vocab.head, PackedLinear) and not odd_vocab.embed.blocks
 
 
-@pytest.mark.parametrize("qact", ["int8", "int8x2"])
+def test_by_width_each_linear_takes_the_rounding_of_its_codes_width():
+    """The default where the kernels exist: int16 over 8-bit codes (the tied
+    head's, and a linear kept at 8 bits in a 4w export), int8 over 4-bit
+    ones; the coverage summary names both."""
+    from kvexport.contract.schemes import BY_WIDTH
+
+    model = Model().eval()
+    rows = {r["module"]: r for r in quantize_model(model, "4w", 0, "8w", keep_8w=("odd",), qact=BY_WIDTH)}
+    assert (rows["up"]["bits"], rows["odd"]["bits"], rows["head"]["bits"]) == (4, 8, 8)
+    assert rows["up"]["activations"] == "int8" and rows["odd"]["activations"] == rows["head"]["activations"] == "int16"
+    assert (model.up.qact, model.odd.qact, model.head.qact) == ("int8", "int16", "int16")
+    assert "int16/int8 activations on 3 of 3 quantized linears" in coverage_summary(list(rows.values()))
+
+
+@pytest.mark.parametrize("qact", ["int8", "int8x2", "int16"])
 def test_the_coverage_summary_names_the_activations_each_linear_takes(qact):
     model = Model(vocab=36).eval()  # the head tied to an embedding of 36 rows keeps float activations
     lines = coverage_summary(quantize_model(model, "4w", 0, "8w", qact=qact))
@@ -183,14 +199,14 @@ def program_of(bits: int, rows: int, bias: bool = True, dynamic: bool = False,
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("qact,terms", [("int8", 1), ("int8x2", 2)])
-def test_the_compile_pass_finds_the_stored_arithmetic_and_keeps_its_results(bits, rows, qact, terms):
+@pytest.mark.parametrize("qact,code", [("int8", 1), ("int8x2", 2), ("int16", 3)])
+def test_the_compile_pass_finds_the_stored_arithmetic_and_keeps_its_results(bits, rows, qact, code):
     program, module, x = program_of(bits, rows, bias=rows == 1, qact=qact)
     run_passes(program.graph_module, [Int8LinearPass((1, 5))], "m")
     program.graph.eliminate_dead_code()
     called = [n.target for n in program.graph.nodes if n.op == "call_function"]
     assert called.count(INT8_LINEAR) == 1 and torch.ops.aten.linear.default not in called
-    assert next(n for n in program.graph.nodes if n.target is INT8_LINEAR).args[-1] == terms
+    assert next(n for n in program.graph.nodes if n.target is INT8_LINEAR).args[-1] == code
     assert torch.ops.aten.round.default not in called  # the rows' rounding is the kernel's
     torch.testing.assert_close(program.module()(x), module(x), rtol=1e-6, atol=1e-6)
 
@@ -346,12 +362,15 @@ def test_a_tied_head_multiplies_the_embeddings_codes_with_int8_activations(tmp_p
 
 
 @pytest.mark.compile
-def test_an_int8x2_package_runs_two_terms_on_the_kernel_and_verifies(tiny_package):
-    """--qact int8x2 on aoti: every linear but the tied head takes two int8
-    terms, the report says so, the static methods call the int8 kernel, and
-    the package verifies (export checks its tokens alone and batched against
-    its eager reference, int8x2_rows' arithmetic); the runtime's greedy
-    tokens are the eagerly quantized model's."""
+@pytest.mark.parametrize("qact,qlinear", [("int8x2", "4w"), ("int16", "8w")])
+def test_a_package_with_finer_activations_runs_them_on_the_kernel_and_verifies(tiny_package, qact, qlinear):
+    """--qact int8x2 (two int8 terms) over 4-bit codes or int16 over 8-bit
+    ones (a scale a row) on aoti: every linear but the
+    tied head takes them, the report says so, the static methods call the
+    int8 kernel, and the package verifies (export checks its tokens alone
+    and batched against its eager reference, int8x2_rows' or int16_rows'
+    arithmetic); the runtime's greedy tokens are the eagerly quantized
+    model's."""
     from helpers import PROGRESS, hf_greedy, prompt_of
     from kvexport.exporter.sources.models import load_model
     from kvexport.partitioners.aoti.kernels import build
@@ -359,16 +378,16 @@ def test_an_int8x2_package_runs_two_terms_on_the_kernel_and_verifies(tiny_packag
 
     if not build.supported():
         pytest.skip("kvexport's kernels need x86 with AVX2 or AVX-512")
-    path = tiny_package("tiny-llama", "aoti", qlinear="4w", qembedding="8w", qact="int8x2")
+    path = tiny_package("tiny-llama", "aoti", qlinear=qlinear, qembedding="8w", qact=qact)
     coverage = json.loads((path / "manifest.json").read_text())["quantization"]["coverage"]
-    taking = sum(1 for r in coverage if r.get("activations") == "int8x2")
+    taking = sum(1 for r in coverage if r.get("activations") == qact)
     assert taking == sum(1 for r in coverage if r["kind"] == "linear") - 1
-    assert f"int8x2 activations on {taking} of {taking + 1} quantized linears" in CliRunner().invoke(
+    assert f"{qact} activations on {taking} of {taking + 1} quantized linears" in CliRunner().invoke(
         main, ["inspect", str(path)]).stdout
     progress = "\n".join(PROGRESS[str(path)])
     assert re.search(r"forward_\d+ compiled in [0-9.]+ s, calling kvexport's int8_linear x\d+", progress), progress
     eager = load_model("tiny-llama").model
-    quantize_model(eager, "4w", 0, "8w", qact="int8x2")
+    quantize_model(eager, qlinear, 0, "8w", qact=qact)
     runtime = load(path)
     prompts = [prompt_of(5, seed=1), prompt_of(30, seed=2)]
     want = [hf_greedy(eager, p, 12) for p in prompts]

@@ -506,12 +506,14 @@ def test_the_packed_op_is_its_decomposition():
 
 # ----------------------------------------------------------- int8 linear
 def int8_operands(bits: int, rows: int, out_features: int, width: int, groups: int, row_stride: int = 0,
-                  half: bool = False, terms: int = 1):
+                  half: bool = False, qact: int = 1):
     """x, and a weight of random codes in the blocks format with random
     scales and offsets (fp16 with `half`, as exports store them); plus x
-    rounded to int8 by the definition (passes/packed_weights.py; `terms` 2:
-    int8x2_rows) and the weight, both float64."""
-    from kvexport.passes.packed_weights import _int8_rows, _int8x2_rows, pack_blocks, pack_table
+    rounded by the definition (passes/packed_weights.py; `qact` 1: int8_rows,
+    2: int8x2_rows, 3: int16_rows, contract/schemes.py's QACT) and the
+    weight, both float64."""
+    from kvexport.contract.schemes import QACT
+    from kvexport.passes.packed_weights import pack_blocks, pack_table, rounded_rows
 
     g = torch.Generator().manual_seed(bits * 7919 + rows * 1000 + out_features + width + groups + 1)
     x = torch.randn(rows, row_stride or width, generator=g)[:, :width]
@@ -523,7 +525,7 @@ def int8_operands(bits: int, rows: int, out_features: int, width: int, groups: i
         scale, offset = scale.half(), offset.half()
         weight = (codes.double().reshape(out_features, groups, -1) * scale.double()[..., None]
                   + offset.double()[..., None]).reshape(out_features, width)
-    rounded = _int8x2_rows(x) if terms == 2 else _int8_rows(x)
+    rounded = rounded_rows(x, QACT[qact])
     return x, pack_blocks(codes, bits), pack_table(scale), pack_table(offset), rounded.double(), weight
 
 
@@ -587,7 +589,7 @@ def test_int8_linear_with_two_terms(isa, shims, bits, rows, out_features, width,
     definition (int8x2_rows) and sums both products exactly; the result is
     far closer to the float product than one term's."""
     x, data, scale, offset, rounded, weight = int8_operands(bits, rows, out_features, width, groups, row_stride, half,
-                                                            terms=2)
+                                                            qact=2)
     out = torch.full((rows, out_features), float("nan"))
     got = build.int8_linear(x, data, scale, offset, bits, 2, out=out, isa=isa)
     assert_float_sum(got, rounded, weight)
@@ -597,6 +599,58 @@ def test_int8_linear_with_two_terms(isa, shims, bits, rows, out_features, width,
     exact = x.double() @ weight.T
     one_term = (build.int8_linear(x, data, scale, offset, bits, isa=isa).double() - exact).abs().max()
     assert (got.double() - exact).abs().max() < one_term / 30
+
+
+# int16 codes: one row, a pass and more (8 sessions: two passes on AVX2), odd block counts and groups of
+# several blocks, a prefill-sized slice over more panels than one chunk, strided rows
+INT16_CASES = [(b, r, n, k, gr, s, h) for b in (4, 8) for r, n, k, gr, s, h in (
+    (1, 64, 64, 2, 0, False), (3, 136, 96, 1, 0, True), (5, 24, 224, 7, 0, True), (8, 40, 576, 18, 0, True),
+    (9, 576, 4096, 128, 0, True), (40, 64, 64, 2, 70, False), (4, 16, 160, 1, 0, False))]
+
+
+@pytest.mark.parametrize("bits,rows,out_features,width,groups,row_stride,half", INT16_CASES)
+def test_int8_linear_with_int16_codes(isa, shims, bits, rows, out_features, width, groups, row_stride, half):
+    """qact=3 rounds x to the int16 codes of the definition (int16_rows) and
+    sums their products with the weight's codes exactly; the result is far
+    closer to the float product than int8 codes' (a 256 x finer step)."""
+    x, data, scale, offset, rounded, weight = int8_operands(bits, rows, out_features, width, groups, row_stride, half,
+                                                            qact=3)
+    out = torch.full((rows, out_features), float("nan"))
+    got = build.int8_linear(x, data, scale, offset, bits, 3, out=out, isa=isa)
+    assert_float_sum(got, rounded, weight)
+    assert_float_sum(shims.call("int8_linear", x, data, scale, offset, bits, 3), rounded, weight)
+    for products in INT8_PRODUCTS[isa]:
+        assert_float_sum(build.int8_linear(x, data, scale, offset, bits, 3, isa=isa, products=products), rounded, weight)
+    exact = x.double() @ weight.T
+    int8 = (build.int8_linear(x, data, scale, offset, bits, isa=isa).double() - exact).abs().max()
+    assert (got.double() - exact).abs().max() < int8 / 30
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_int16_codes_are_the_definitions_to_the_last_one(isa, bits):
+    """One int16 code off moves a result by a step (1/32767 of its block's
+    top) times a weight, within assert_float_sum's bound: here each row's
+    values sit on whole steps but one, chosen to round half to even
+    (round(x / step) ties), so a kernel that rounds otherwise, or
+    computes the step otherwise, lands a whole weight code away."""
+    from kvexport.passes.packed_weights import INV_32767, _int16_rows, pack_blocks, pack_table
+
+    width, out_features = 64, 16
+    top = 32767 * 2.0**-14  # its step, top * INV_32767 in fp32, is 2 ** -14: whole and half steps are exact
+    step = torch.tensor(top) * torch.tensor(INV_32767, dtype=torch.float32)
+    assert step == 2.0**-14
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randint(-32000, 32001, (3, width), generator=g).float() * step
+    x[:, 0::32] = top  # every block's top
+    x[:, 1::32] = (torch.tensor([[2.5], [-6.5], [100.5]]) * step).expand(3, 2)  # ties: to 2, -6 and 100
+    codes = torch.zeros(out_features, width, dtype=torch.uint8)
+    codes[:, 1::32] = (1 << bits) - 1  # the weight reads only the ties' codes
+    ones, zeros = torch.ones(out_features, 1), torch.zeros(out_features, 1)
+    got = build.int8_linear(x, pack_blocks(codes, bits), pack_table(ones), pack_table(zeros), bits, 3, isa=isa)
+    want = (_int16_rows(x).double() @ codes.double().T).float()
+    assert torch.equal(got, want), (got[:, 0], want[:, 0])
+    assert torch.equal(x[:, 1] / step, torch.tensor([2.5, -6.5, 100.5]))  # ties, as the definition divides
+    assert torch.equal(_int16_rows(x)[:, 1], torch.tensor([2.0, -6.0, 100.0]) * step)
 
 
 INT8_PRODUCTS = {isa: ["maddubs", "vnni"] if build.has_vnni(isa) else ["maddubs"] for isa in ISAS}
@@ -624,7 +678,7 @@ def test_every_kernel_build_keeps_its_prefetches(disassembly):
         assert "prefetcht1" in code, f"{name} lost its prefetches"
 
 
-PRODUCT = re.compile(r"\b(vfmadd\w+|vdpbf16ps|vpdpbusds?|vpmaddubsw)\b")
+PRODUCT = re.compile(r"\b(vfmadd\w+|vdpbf16ps|vpdpbusds?|vpdpwssds?|vpmaddubsw|vpmaddwd)\b")
 STACK_STORE = re.compile(r"\bvmov\w*\s+%[yz]mm\d+,\s*(-?0x[0-9a-f]+)?\(%rsp\)")
 BACKWARD_JUMP = re.compile(r"^\s*([0-9a-f]+):\s+j\w+\s+([0-9a-f]+) <")
 
@@ -675,18 +729,19 @@ def test_register_tiles_stay_in_registers(disassembly):
     assert checked >= 10 and row_kernel >= 10
 
 
-@pytest.mark.parametrize("bits,terms", [(4, 1), (8, 1), (4, 2)])
-def test_the_int8_kernel_runs_vnni_where_the_cpu_has_it(isa, shims, bits, terms):
-    """Both builds sum the same integers: with 4-bit codes, the same bits
-    (one term or two, whichever tiling the VNNI build takes); compiled code
-    (the shim) runs the VNNI build where the CPU has it."""
+@pytest.mark.parametrize("bits,qact", [(4, 1), (8, 1), (4, 2), (4, 3), (8, 3)])
+def test_the_int8_kernel_runs_vnni_where_the_cpu_has_it(isa, shims, bits, qact):
+    """Both builds sum the same integers: with 4-bit codes, and with int16
+    codes (vpdpwssd against madd), the same bits (one term or two,
+    whichever tiling the VNNI build takes); compiled code (the shim) runs
+    the VNNI build where the CPU has it."""
     if "vnni" not in INT8_PRODUCTS[isa]:
         pytest.skip(f"this CPU has no VNNI for the {isa} build")
-    x, data, scale, offset, _, _ = int8_operands(bits, 5, 136, 96, 3, half=True, terms=terms)
-    vnni = build.int8_linear(x, data, scale, offset, bits, terms, isa=isa, products="vnni")
-    assert torch.equal(shims.call("int8_linear", x, data, scale, offset, bits, terms), vnni)
-    if bits == 4:
-        assert torch.equal(build.int8_linear(x, data, scale, offset, bits, terms, isa=isa, products="maddubs"), vnni)
+    x, data, scale, offset, _, _ = int8_operands(bits, 5, 136, 96, 3, half=True, qact=qact)
+    vnni = build.int8_linear(x, data, scale, offset, bits, qact, isa=isa, products="vnni")
+    assert torch.equal(shims.call("int8_linear", x, data, scale, offset, bits, qact), vnni)
+    if bits == 4 or qact == 3:
+        assert torch.equal(build.int8_linear(x, data, scale, offset, bits, qact, isa=isa, products="maddubs"), vnni)
 
 
 def test_the_int8_op_is_its_decomposition():
@@ -694,18 +749,18 @@ def test_the_int8_op_is_its_decomposition():
     run) is the stored rounding of x, the dequantization and a linear."""
     from kvexport.partitioners.aoti.passes.int8_linear import int8_linear
 
-    for terms in (1, 2):
-        x, data, scale, offset, rounded, weight = int8_operands(4, 3, 40, 64, 2, terms=terms)
-        assert_float_sum(int8_linear(x, data, scale, offset, 4, terms), rounded, weight)
+    for qact in (1, 2, 3):
+        x, data, scale, offset, rounded, weight = int8_operands(4, 3, 40, 64, 2, qact=qact)
+        assert_float_sum(int8_linear(x, data, scale, offset, 4, qact), rounded, weight)
 
 
 # ------------------------------------------------------------ refusals
-def _int8(bits=4, width=64, groups=2, data_dtype=torch.uint8, scale_rows=5, offset_dtype=torch.float32, terms=1):
+def _int8(bits=4, width=64, groups=2, data_dtype=torch.uint8, scale_rows=5, offset_dtype=torch.float32, qact=1):
     x, data, _, _, _, _ = int8_operands(4, 2, 40, 64, 2)
     if width != 64:
         x, data = torch.randn(2, width), torch.zeros(5, width * 4, dtype=torch.uint8)
     scale, offset = torch.rand(scale_rows, groups * 8) + 0.01, torch.randn(scale_rows, groups * 8)
-    return x, data.to(data_dtype), scale, offset.to(offset_dtype), bits, terms
+    return x, data.to(data_dtype), scale, offset.to(offset_dtype), bits, qact
 
 
 def _packed(bits=4, groups=2, width=64, words_dtype=torch.int32, rows=40):
@@ -722,7 +777,8 @@ REFUSED = [
     ("packed_linear", lambda: _packed(width=60, groups=1), "multiple of 8 \\* groups"),
     ("packed_linear", lambda: _packed(rows=41), "rows must be within|rows <= lanes"),
     ("int8_linear", lambda: _int8(bits=2), "bits must be 4 or 8|of 4 or 8 bits"),
-    ("int8_linear", lambda: _int8(terms=3), "terms must be 1 or 2|terms 1 or 2"),
+    ("int8_linear", lambda: _int8(qact=4), "qact must be 1 \\(int8\\), 2 \\(int8x2\\) or 3 \\(int16\\)|qact 1, 2 or 3"),
+    ("int8_linear", lambda: _int8(qact=0), "qact must be 1 \\(int8\\), 2 \\(int8x2\\) or 3 \\(int16\\)|qact 1, 2 or 3"),
     ("int8_linear", lambda: _int8(data_dtype=torch.int8), "data uint8|uint8 data"),
     ("int8_linear", lambda: _int8(width=48, groups=1), "multiple of 32"),
     ("int8_linear", lambda: _int8(groups=4), "multiple of 32 \\* groups"),

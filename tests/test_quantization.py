@@ -19,6 +19,7 @@ from kvexport.cli.main import main
 from kvexport.exporter.sources.models import load_model
 from kvexport.exporter.quantization.quantize import quantize_model
 from kvexport.runtime import generate, load
+from kvexport.contract import schemes
 from kvexport.contract.errors import SpecError
 from kvexport.contract.validate import validate_package
 
@@ -42,11 +43,12 @@ def quantized(tiny_package):
     + [pytest.param("tiny-llama", "aoti", s, marks=pytest.mark.compile) for s in ("4w", "8da4w")],
 )
 def test_tokens_equal_the_eagerly_quantized_model(quantized, model, scheme, backend):
-    """(On aoti for x86 the 4w package takes int8 activations by default:
-    the eager model is quantized as its coverage says.)"""
+    """(On aoti for x86 the 4w package takes rounded activations by default,
+    each linear's by its codes' width: the eager model is quantized as its
+    coverage says.)"""
     package = quantized(model, scheme, backend)
     coverage = json.loads((package / "manifest.json").read_text())["quantization"]["coverage"]
-    qact = "int8" if any(r.get("activations") == "int8" for r in coverage) else "none"
+    qact = schemes.BY_WIDTH if any(r.get("activations") in schemes.ROUNDED for r in coverage) else "none"
     eager = load_model(model).model
     quantize_model(eager, scheme, 0, "8w", qact=qact)
     runtime = load(package)

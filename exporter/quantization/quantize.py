@@ -18,7 +18,9 @@ step (passes/packed_weights.py, int8_rows), and its codes are stored in
 blocks along K, in panels of 8 rows (Int8Linear): the arithmetic of integer
 dot products, which the eager reference, the portable backend and the aoti
 kernel all compute. `--qact int8x2` adds each block's rounding error,
-rounded the same way (int8x2_rows): two int8 terms, about 15 bits. A tied LM head that shares a quantized embedding's
+rounded the same way (int8x2_rows): two int8 terms, about 15 bits;
+`--qact int16` rounds each block to int16 codes instead (int16_rows, a step
+of its largest magnitude / 32767). A tied LM head that shares a quantized embedding's
 codes takes them too: the embedding stores them in that format, and its
 lookups read them there. A linear whose rows are not a multiple of 8 or
 whose groups are not whole blocks, or a head tied to such an embedding,
@@ -83,7 +85,8 @@ class Int8Linear(nn.Module):
     """A linear with int8 activations over codes in blocks:
     F.linear(int8_rows(x), dequantize_blocks(...)), the arithmetic of an
     integer dot product per block of 32 (`qact` int8x2: int8x2_rows(x), two
-    such products); the backend's passes pick the kernel."""
+    such products; int16: int16_rows(x), products of int16 codes); the
+    backend's passes pick the kernel."""
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
                  bias: torch.Tensor | None = None, qact: str = "int8"):
@@ -200,9 +203,11 @@ def quantize_model(
     """Quantizes in place; returns one coverage row per linear and
     embedding. A tied LM head shares the embedding's codes when both are
     quantized (one stored copy); other tied weights are skipped, since
-    quantizing one would untie them and store both. With `qact` int8 or
-    int8x2 the linears that can take int8 activations do (`activations` in
-    their row: the qact, or why they stay float)."""
+    quantizing one would untie them and store both. With `qact` int8,
+    int8x2 or int16 the linears that can take rounded activations do
+    (`activations` in their row: the qact, or why they stay float); with
+    schemes.BY_WIDTH each takes the rounding of its codes' width."""
+    rounds = qact in schemes.ROUNDED or qact == schemes.BY_WIDTH
     if qlinear == "8da4w":
         return _torchao_8da4w(model, group_size, qembedding)
     modules = {fqn: m for fqn, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
@@ -230,10 +235,10 @@ def quantize_model(
             continue
         row.update(scheme=f"{codes.bits}w" if qlinear != "gguf" else "gguf", bits=codes.bits,
                    granularity="per row" if codes.group == module.weight.shape[1] else f"per group of {codes.group}")
-        if kind == "linear" and qact in schemes.ROUNDED:
+        if kind == "linear" and rounds:
             why_not = None if shares in in_blocks else int8_refusal(codes, shares)  # in_blocks: checked as the embedding
-            row["activations"] = qact if why_not is None else f"float ({why_not})"
-        elif kind == "embedding" and qact in schemes.ROUNDED and shares == fqn and int8_refusal(codes, None) is None:
+            row["activations"] = schemes.qact_for(qact, codes.bits) if why_not is None else f"float ({why_not})"
+        elif kind == "embedding" and rounds and shares == fqn and int8_refusal(codes, None) is None:
             in_blocks.add(fqn)  # its tied head shares these codes and can multiply them with int8 activations
         if shares and shares in done and done[shares] is codes:
             row["shared_with"] = shares

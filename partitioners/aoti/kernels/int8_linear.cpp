@@ -14,7 +14,9 @@
 // is that plus the rounding error x - xq rounded the same way: each row
 // becomes two rows of int8 codes, multiplied as any others in the same pass
 // (about 15 bits of each activation for twice the integer products; the
-// weight is still read once). Each block's product is an integer dot
+// weight is still read once). With int16 codes (--qact int16, int16_rows:
+// step = largest magnitude / 32767), the products are madd's (or VNNI's
+// vpdpwssd's) int16 pairs; panel_rows_wide below says how. Each block's product is an integer dot
 // product, 32 code pairs summed exactly in int32 (maddubs then madd on AVX2;
 // 4-bit codes: int16 sums over the block, then one madd), then scaled by
 // the block's step and the group's scale (two terms: each by its step,
@@ -78,41 +80,65 @@ constexpr int64_t PREFETCH_ONE_PASS = 4, PREFETCH_PASSES = 8;
 // bytes, each read from memory once and from L2 by every pass of rows
 constexpr int64_t CHUNK_BYTES = 192 << 10;
 // the same fp32 constants as int8_rows' (a double rounded to float, as torch rounds a Python scalar)
-const float INV_127 = (float)(1.0 / 127.0);
+const float INV_127 = (float)(1.0 / 127.0), INV_32767 = (float)(1.0 / 32767.0);
 const float SMALLEST_TOP = (float)1e-30;
+// the kernel's `qact` argument: contract/schemes.py's QACT index of the activations' rounding
+constexpr int64_t INT8 = 1, INT8X2 = 2, INT16 = 3;
 
 typedef __m256i ivec;
 
-// x's rows as int8 codes (M * terms rows of K), each block's step (M * terms
-// rows of K / 32), and each row of x's sum of step * codes over each group
-// and both terms [M, groups]. The codes and steps go in passes of rows (as
-// the products take them): a pass of n rows holds its codes quad by quad (4
-// codes of each of its rows, row by row) and its steps block by block, so a
-// tile finds a row's operands at a fixed distance from one pointer
+// x's rows as int8 codes (M * terms rows of K; int16 codes: M rows of 2 K
+// bytes), each block's step (M * terms rows of K / 32), and each row of x's
+// sum of step * codes over each group and both terms [M, groups]. The codes
+// and steps go in passes of rows (as the products take them): a pass of n
+// rows holds its codes quad by quad (4 codes of each of its rows, row by
+// row) and its steps block by block, so a tile finds a row's operands at a
+// fixed distance from one pointer
 struct Rows {
   std::vector<int8_t> codes;
   std::vector<float> steps, sums;
   bool one_pass;  // all rows in one pass
 };
 
-// block b of row p (32 floats at p): its codes as 32 bytes in K order, its
-// step, and the sum of its codes (exact); with `error`, also the rounding
-// error p - q * step there, as int8x2_rows computes it (an fp32 multiply,
-// then a subtraction)
-inline ivec block_codes(const float* p, float& step, int32_t& sum, float* error = nullptr) {
+// the largest magnitude of the 32 floats at p (at least SMALLEST_TOP), and them as 4 vectors in v
+inline float block_top(const float* p, vec (&v)[4]) {
   const vec sign = broadcast(-0.0f);
-  const ivec order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  const vec v[4] = {load(p), load(p + 8), load(p + 16), load(p + 24)};
+  for (int i = 0; i < 4; i++) v[i] = load(p + 8 * i);
   vec top = max(max(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                 max(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
   __m128 half = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
   half = _mm_max_ps(half, _mm_movehl_ps(half, half));
   const float largest = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
-  step = (largest > SMALLEST_TOP ? largest : SMALLEST_TOP) * INV_127;
+  return largest > SMALLEST_TOP ? largest : SMALLEST_TOP;
+}
+
+// the sum of the 32 int32 codes in q, exact
+inline int32_t code_sum(const ivec (&q)[4]) {
+  const ivec pairs = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+  return _mm_cvtsi128_si32(t);
+}
+
+// the 32 values v rounded to codes of `step` (round half to even, as torch.round)
+inline void round_codes(const vec (&v)[4], float step, ivec (&q)[4]) {
   const vec s = broadcast(step);
-  ivec q[4];
   for (int i = 0; i < 4; i++)
     q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(v[i], s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// block b of row p (32 floats at p): its codes as 32 bytes in K order, its
+// step, and the sum of its codes (exact); with `error`, also the rounding
+// error p - q * step there, as int8x2_rows computes it (an fp32 multiply,
+// then a subtraction)
+inline ivec block_codes(const float* p, float& step, int32_t& sum, float* error = nullptr) {
+  const ivec order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  vec v[4];
+  step = block_top(p, v) * INV_127;
+  const vec s = broadcast(step);
+  ivec q[4];
+  round_codes(v, step, q);
   if (error)
     for (int i = 0; i < 4; i++) {
       vec back = mul(_mm256_cvtepi32_ps(q[i]), s);
@@ -121,20 +147,31 @@ inline ivec block_codes(const float* p, float& step, int32_t& sum, float* error 
       asm("" : "+x"(back));
       store(error + 8 * i, _mm256_sub_ps(v[i], back));
     }
-  const ivec pairs = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
-  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
-  sum = _mm_cvtsi128_si32(t);
+  sum = code_sum(q);
   return _mm256_permutevar8x32_epi32(_mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
                                      order);
 }
 
+// the block of 32 floats at p as int16 codes (int16_rows: step = largest
+// magnitude / 32767), in K order in out; its step and the sum of its codes
+inline void block_codes16(const float* p, float& step, int32_t& sum, ivec (&out)[2]) {
+  vec v[4];
+  step = block_top(p, v) * INV_32767;
+  ivec q[4];
+  round_codes(v, step, q);
+  sum = code_sum(q);
+  // packs interleaves 128-bit lanes: 0xd8 puts the four quarters back in order
+  out[0] = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xd8);
+  out[1] = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xd8);
+}
+
 // x's M rows as int8 codes, in passes of per_pass rows; with two terms, 2 M
-// rows: row 2m holds row m's codes, row 2m + 1 those of its rounding error
-Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups, int terms, int64_t per_pass) {
+// rows: row 2m holds row m's codes, row 2m + 1 those of its rounding error;
+// `wide`: M rows of int16 codes (a quad is 8 bytes)
+Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups, int terms, int64_t per_pass,
+              bool wide = false) {
   const int64_t blocks = K / BLOCK, per_group = blocks / groups, R = M * terms;
-  Rows r{std::vector<int8_t>(R * K), std::vector<float>(R * blocks), std::vector<float>(M * groups, 0.0f),
+  Rows r{std::vector<int8_t>(R * K * (wide ? 2 : 1)), std::vector<float>(R * blocks), std::vector<float>(M * groups, 0.0f),
          per_pass >= R};
   // code row `row`'s block b from the 32 floats at p (and their rounding error into `error`, if given)
   const auto put = [&](int64_t row, int64_t b, const float* p, float* error) {
@@ -142,10 +179,20 @@ Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups,
     const int64_t first = row / per_pass * per_pass, n = R - first < per_pass ? R - first : per_pass;
     float step;
     int32_t sum;
-    alignas(32) int32_t quads[QUADS];
-    _mm256_store_si256((ivec*)quads, block_codes(p, step, sum, error));
-    int32_t* pass = (int32_t*)(r.codes.data() + first * K) + b * QUADS * n + row - first;
-    for (int j = 0; j < QUADS; j++) pass[j * n] = quads[j];
+    if (wide) {
+      alignas(32) int64_t quads[QUADS];
+      ivec codes[2];
+      block_codes16(p, step, sum, codes);
+      _mm256_store_si256((ivec*)quads, codes[0]);
+      _mm256_store_si256((ivec*)quads + 1, codes[1]);
+      int64_t* pass = (int64_t*)(r.codes.data() + first * K * 2) + b * QUADS * n + row - first;
+      for (int j = 0; j < QUADS; j++) pass[j * n] = quads[j];
+    } else {
+      alignas(32) int32_t quads[QUADS];
+      _mm256_store_si256((ivec*)quads, block_codes(p, step, sum, error));
+      int32_t* pass = (int32_t*)(r.codes.data() + first * K) + b * QUADS * n + row - first;
+      for (int j = 0; j < QUADS; j++) pass[j * n] = quads[j];
+    }
     r.steps[first * blocks + b * n + row - first] = step;
     r.sums[row / terms * groups + b / per_group] += step * (float)sum;
   };
@@ -219,9 +266,9 @@ inline ivec dot_quad8(ivec acc, ivec w, ivec x) {
 // loaded once, and the rows' sums are MR independent chains of FMAs (one
 // row at a time was a chain of `groups` dependent FMAs, which took as long as
 // the products themselves over 8 rows of 4-bit codes in groups of 32)
-template <int BITS, int MR, typename S>
+template <int BITS, bool WIDE, int MR, typename S>
 inline void fma_offsets(const S* offset, const S* scale, const float* sums, int64_t groups, vec (&acc)[MR]) {
-  constexpr bool shifted = BITS == 8 && SHIFT_8BIT != 0.0f;
+  constexpr bool shifted = BITS == 8 && !WIDE && SHIFT_8BIT != 0.0f;  // int16 products take codes as they are
   for (int64_t g = 0; g < groups; g++) {
     const vec o = shifted ? fma(broadcast(SHIFT_8BIT), load8(scale + g * PANEL), load8(offset + g * PANEL))
                           : load8(offset + g * PANEL);
@@ -282,9 +329,10 @@ inline void store_rows(const vec (&result)[MR], int64_t m0, float* out, int64_t 
 
 // where panels p0.. and code rows m0.. (x's rows m0 / TERMS ..) find their
 // operands (x's codes, steps and sums; the panels' codes, scales and
-// offsets), for either tiling below
-template <int BITS, int MR, int TERMS, typename S>
+// offsets), for every tiling below; WIDE: x's codes are int16
+template <int BITS, int MR, int TERMS, typename S, bool WIDE = false>
 struct Operands {
+  static constexpr int64_t CODE_BYTES = WIDE ? 2 : 1;
   static constexpr int64_t BLOCK_BYTES = PANEL * BLOCK * BITS / 8;  // a panel's codes of one block
   int64_t blocks, groups, per_group, panel_bytes, table;             // table: a panel's scales (or offsets)
   int64_t ahead;                                                      // panels fetch_ahead fetches ahead
@@ -298,18 +346,23 @@ struct Operands {
       : blocks(K / BLOCK), groups(groups), per_group(K / BLOCK / groups), panel_bytes(K / BLOCK * BLOCK_BYTES),
         table(groups * PANEL), ahead(rows.one_pass ? PREFETCH_ONE_PASS : PREFETCH_PASSES),
         codes(data + p0 * panel_bytes), scales(scale + p0 * table), offsets(offset + p0 * table),
-        x_codes(rows.codes.data() + m0 * K), steps(rows.steps.data() + m0 * blocks),
+        x_codes(rows.codes.data() + m0 * K * CODE_BYTES), steps(rows.steps.data() + m0 * blocks),
         sums(rows.sums.data() + m0 / TERMS * groups) {}
 
   // panel t's codes of block b, and its 8 scales or offsets of group g
   const uint8_t* block(int64_t b, int64_t t) const { return codes + t * panel_bytes + b * BLOCK_BYTES; }
   const S* scale8(int64_t t, int64_t g) const { return scales + t * table + g * PANEL; }
   const S* offset8(int64_t t, int64_t g) const { return offsets + t * table + g * PANEL; }
-  // quad j (codes 4j..4j+3) of code row i: where it is, and as one int32 (the broadcast of a quad)
-  const int32_t* quad(int i, int64_t j) const { return (const int32_t*)(x_codes + (j * MR + i) * 4); }
+  // quad j (codes 4j..4j+3) of code row i: where it is, and as one int32 (int16 codes: int64), the broadcast of a quad
+  const int32_t* quad(int i, int64_t j) const { return (const int32_t*)(x_codes + (j * MR + i) * 4 * CODE_BYTES); }
   int32_t four(int i, int64_t j) const {
     int32_t four;
     std::memcpy(&four, quad(i, j), 4);
+    return four;
+  }
+  int64_t four16(int i, int64_t j) const {
+    int64_t four;
+    std::memcpy(&four, quad(i, j), 8);
     return four;
   }
   float step(int i, int64_t b) const { return steps[b * MR + i]; }
@@ -337,7 +390,7 @@ struct Operands {
     if constexpr (ONE_GROUP)
 #pragma GCC unroll 8
       for (int i = 0; i < MR / TERMS; i++) result[i] = mul(result[i], load8(scale8(t, 0)));
-    fma_offsets<BITS>(offset8(t, 0), scale8(t, 0), sums, groups, result);
+    fma_offsets<BITS, WIDE>(offset8(t, 0), scale8(t, 0), sums, groups, result);
   }
 };
 
@@ -418,6 +471,74 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
     op.template finish<ONE_GROUP>(t, result);
     store_rows(result, m0 / TERMS, out, N, (p0 + t) * PANEL);
   }
+}
+
+// ---- int16 activations (--qact int16): a panel's 8 weight rows across the lanes, in pairs of codes
+//
+// A code pair of a weight row times a pair of x's int16 codes is one int32
+// lane of madd (or of VNNI's vpdpwssd), signed 16-bit by signed 16-bit, so
+// the weight's codes are widened to 16 bits as they are (0..255 or 0..15:
+// no sign trick, no shift, SHIFT_8BIT does not apply). A panel's vector of
+// codes (4 of each of its 8 rows) widens, by unpacking against zero within
+// each 128-bit half, into rows 0, 1, 4, 5 and rows 2, 3, 6, 7; each takes a
+// row's 4 codes broadcast as 8 bytes, and the two halves' lanes (two code
+// pairs of each weight row) sum with one hadd at the block's end, which
+// leaves the 8 rows in order. A block's sums stay within int32: 32 products
+// of at most 255 x 32767.
+
+// acc + each int32 lane's two products of int16 pairs, exact
+inline ivec dot16(ivec acc, ivec w, ivec x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpwssd_epi32(acc, w, x);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpwssd_avx_epi32(acc, w, x);
+#else
+  ivec sum = _mm256_add_epi32(acc, _mm256_madd_epi16(w, x));
+  __asm__("" : "+v"(sum));  // add_pairs' hold, for its reason
+  return sum;
+#endif
+}
+
+template <int BITS, int MR, bool ONE_GROUP, typename S>
+inline void panel_rows_wide(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset,
+                            int64_t p0, int64_t K, int64_t groups, float* out, int64_t N) {
+  const Operands<BITS, MR, 1, S, true> op(rows, m0, data, scale, offset, p0, K, groups);
+  const ivec none = _mm256_setzero_si256();
+  vec acc[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; i++) acc[i] = zero();
+  for (int64_t b = 0; b < op.blocks; b++) {
+    op.template fetch_ahead<1>(b);
+    ivec low[MR], high[MR];  // rows 0, 1, 4, 5 and rows 2, 3, 6, 7: two lanes a weight row
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) low[i] = high[i] = none;
+#pragma GCC unroll 8
+    for (int q = 0; q < BITS; q++) {  // a block is BITS vectors of a panel
+      const ivec w = _mm256_loadu_si256((const ivec*)(op.block(b, 0) + q * 32));
+      // 8 bits: quad q's codes; 4 bits: the low nibbles (quad q) and the high ones (quad QUADS / 2 + q)
+      ivec codes[BITS == 4 ? 2 : 1];
+      if constexpr (BITS == 4)
+        nibbles(w, codes[0], codes[1]);
+      else
+        codes[0] = w;
+#pragma GCC unroll 2
+      for (int h = 0; h < (BITS == 4 ? 2 : 1); h++) {
+        const ivec w_low = _mm256_unpacklo_epi8(codes[h], none), w_high = _mm256_unpackhi_epi8(codes[h], none);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+          const ivec x = _mm256_set1_epi64x(op.four16(i, b * QUADS + h * QUADS / 2 + q));
+          low[i] = dot16(low[i], w_low, x);
+          high[i] = dot16(high[i], w_high, x);
+        }
+      }
+    }
+    const vec s = ONE_GROUP ? zero() : load8(op.scale8(0, b / op.per_group));
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++)
+      acc[i] = add_block<ONE_GROUP, 1>(acc[i], _mm256_hadd_epi32(low[i], high[i]), op.step(i, b), none, 0.0f, s);
+  }
+  op.template finish<ONE_GROUP>(0, acc);
+  store_rows(acc, m0, out, N, p0 * PANEL);
 }
 
 // ---- the pair tiling (the VNNI build on AVX-512): two panels' 16 weight rows across the lanes of 512-bit vectors
@@ -508,19 +629,25 @@ inline void panel_pair_rows(const Rows&, int64_t, const uint8_t*, const S*, cons
                             int64_t) {}
 #endif
 
-// rows m0..m0+MR (MR = rows, up to MR_MAX; TERMS 2: both even) by panels p0..p1, P at a time
-template <int BITS, int MR, int TERMS, typename S>
+// rows m0..m0+MR (MR = rows, up to MR_MAX; TERMS 2: both even) by panels p0..p1, P at a time; WIDE: int16 codes
+template <int BITS, int MR, int TERMS, bool WIDE, typename S>
 void rows_by_panels(int rows, const Rows& r, int64_t m0, const uint8_t* data, const S* scale, const S* offset,
                     int64_t p0, int64_t p1, int64_t K, int64_t groups, float* out, int64_t N) {
   if constexpr (MR > TERMS) {
     if (rows < MR)
-      return rows_by_panels<BITS, MR - TERMS, TERMS>(rows, r, m0, data, scale, offset, p0, p1, K, groups, out, N);
+      return rows_by_panels<BITS, MR - TERMS, TERMS, WIDE>(rows, r, m0, data, scale, offset, p0, p1, K, groups, out, N);
+  }
+  const bool one_group = BITS == 8 && groups == 1;  // 8w's scale per row
+  if constexpr (WIDE) {
+    for (int64_t p = p0; p < p1; p++)
+      one_group ? panel_rows_wide<BITS, MR, true>(r, m0, data, scale, offset, p, K, groups, out, N)
+                : panel_rows_wide<BITS, MR, false>(r, m0, data, scale, offset, p, K, groups, out, N);
+    return;
   }
   // one row takes one panel at a time: a single stream through memory. Taking 4 (2 on AVX2) shared the
   // row's broadcasts but ran every linear of a SmolLM2 step from memory 2-8% slower at best in five of six
   // scratch A/Bs (both builds; in cache it was 8% faster, but a model's weights come from memory)
   constexpr int P = REGISTERS == 32 ? (MR == 1 ? 1 : MR == 2 ? 2 : 1) : 1;
-  const bool one_group = BITS == 8 && groups == 1;  // 8w's scale per row
   int64_t p = p0;
   if constexpr (PAIRS && MR > 1) {
     for (; p + 2 <= p1; p += 2)
@@ -537,14 +664,14 @@ void rows_by_panels(int rows, const Rows& r, int64_t m0, const uint8_t* data, co
 
 // ---- the entry
 
-template <int BITS, int TERMS, typename S>
+template <int BITS, int TERMS, bool WIDE, typename S>
 void product(const float* x, int64_t ldx, const uint8_t* data, const S* scale, const S* offset, float* out,
              int64_t M, int64_t N, int64_t K, int64_t groups) {
   static_assert(MR_MAX % 2 == 0, "a pass takes a row's two terms together");
   const int64_t R = M * TERMS;  // rows of codes
   // passes of even size (two terms: whole rows of x, both terms in one pass)
   const int64_t passes = (R + MR_MAX - 1) / MR_MAX, per_pass = (M + passes - 1) / passes * TERMS;
-  const Rows rows = quantize(x, ldx, M, K, groups, TERMS, per_pass);
+  const Rows rows = quantize(x, ldx, M, K, groups, TERMS, per_pass, WIDE);
   const int64_t panels = N / PANEL, panel_bytes = K * BITS;
   const int64_t chunk = R <= MR_MAX ? panels : (CHUNK_BYTES / panel_bytes > 0 ? CHUNK_BYTES / panel_bytes : 1);
 #pragma omp parallel
@@ -554,24 +681,24 @@ void product(const float* x, int64_t ldx, const uint8_t* data, const S* scale, c
     for (int64_t c0 = first; c0 < last; c0 += chunk) {
       const int64_t c1 = c0 + chunk < last ? c0 + chunk : last;
       for (int64_t m = 0; m < R; m += per_pass)
-        rows_by_panels<BITS, MR_MAX, TERMS>((int)(R - m < per_pass ? R - m : per_pass), rows, m, data, scale, offset,
+        rows_by_panels<BITS, MR_MAX, TERMS, WIDE>((int)(R - m < per_pass ? R - m : per_pass), rows, m, data, scale, offset,
                                             c0, c1, K, groups, out, N);
     }
   }
 }
 
 // the product for the codes' width and the tables' type
-template <int TERMS>
+template <int TERMS, bool WIDE>
 void by_format(const float* x, int64_t ldx, const uint8_t* data, const void* scale, const void* offset, float* out,
                int64_t M, int64_t N, int64_t K, int64_t groups, int64_t bits, bool half) {
   if (bits == 4 && half)
-    product<4, TERMS>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
+    product<4, TERMS, WIDE>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
   else if (bits == 4)
-    product<4, TERMS>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
+    product<4, TERMS, WIDE>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
   else if (half)
-    product<8, TERMS>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
+    product<8, TERMS, WIDE>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
   else
-    product<8, TERMS>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
+    product<8, TERMS, WIDE>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
 }
 
 }  // namespace
@@ -579,24 +706,26 @@ void by_format(const float* x, int64_t ldx, const uint8_t* data, const void* sca
 // x: [M, K] fp32 (row stride ldx), K a multiple of 32; data: uint8 codes in
 // the blocks format, [N / 8, K * bits] contiguous; scale, offset: [N / 8,
 // groups * 8] contiguous, fp32 (scale_bits 32) or fp16 (16), K / groups a
-// multiple of 32; out: [M, N] contiguous; N a multiple of 8; terms: 1
-// (int8_rows) or 2 (int8x2_rows)
+// multiple of 32; out: [M, N] contiguous; N a multiple of 8; qact: how x is
+// rounded, contract/schemes.py's QACT index: 1 int8_rows, 2 int8x2_rows, 3
+// int16_rows
 #ifdef KV_VNNI
 void kvexport_int8_linear_vnni(
 #else
 void kvexport_int8_linear_maddubs(
 #endif
     const float* x, int64_t ldx, const uint8_t* data, const void* scale, const void* offset, float* out, int64_t M,
-    int64_t N, int64_t K, int64_t groups, int64_t bits, int64_t scale_bits, int64_t terms) {
-  (terms == 2 ? by_format<2> : by_format<1>)(x, ldx, data, scale, offset, out, M, N, K, groups, bits, scale_bits == 16);
+    int64_t N, int64_t K, int64_t groups, int64_t bits, int64_t scale_bits, int64_t qact) {
+  (qact == INT8X2 ? by_format<2, false> : qact == INT16 ? by_format<1, true> : by_format<1, false>)(
+      x, ldx, data, scale, offset, out, M, N, K, groups, bits, scale_bits == 16);
 }
 
 #ifndef KV_VNNI
 void kvexport_int8_linear(const float* x, int64_t ldx, const uint8_t* data, const void* scale, const void* offset,
                           float* out, int64_t M, int64_t N, int64_t K, int64_t groups, int64_t bits,
-                          int64_t scale_bits, int64_t terms) {
+                          int64_t scale_bits, int64_t qact) {
   static const bool vnni = has_vnni();
   (vnni ? kvexport_int8_linear_vnni : kvexport_int8_linear_maddubs)(x, ldx, data, scale, offset, out, M, N, K, groups,
-                                                                   bits, scale_bits, terms);
+                                                                   bits, scale_bits, qact);
 }
 #endif

@@ -453,9 +453,9 @@ namespace {
 
 // why int8_linear cannot take these operands, or nullptr
 const char* int8_problem(const Operand& x, const Operand& data, const Operand& scale, const Operand& offset,
-                         int64_t bits, int64_t terms) {
+                         int64_t bits, int64_t qact) {
   if (bits != 4 && bits != 8) return "bits must be 4 or 8";
-  if (terms != 1 && terms != 2) return "terms must be 1 or 2";
+  if (qact < 1 || qact > 3) return "qact must be 1 (int8), 2 (int8x2) or 3 (int16)";
   if (x.dims != 2 || data.dims != 2 || scale.dims != 2 || offset.dims != 2)
     return "x, data, scale and offset must be 2-d";
   if (x.dtype != aoti_torch_dtype_float32() || data.dtype != aoti_torch_dtype_uint8())
@@ -481,11 +481,11 @@ const char* int8_problem(const Operand& x, const Operand& data, const Operand& s
 
 extern "C" AOTITorchError aoti_torch_cpu_int8_linear(AtenTensorHandle x, AtenTensorHandle data,
                                                      AtenTensorHandle scale, AtenTensorHandle offset, int64_t bits,
-                                                     int64_t terms, AtenTensorHandle* ret0) {
+                                                     int64_t qact, AtenTensorHandle* ret0) {
   Operand a, d, s, o;
   if (!read(x, a) || !read(data, d) || !read(scale, s) || !read(offset, o))
     return refuse("int8_linear", "a tensor handle could not be read");
-  if (const char* why = int8_problem(a, d, s, o, bits, terms)) return refuse("int8_linear", why);
+  if (const char* why = int8_problem(a, d, s, o, bits, qact)) return refuse("int8_linear", why);
   const int64_t M = a.sizes[0], K = a.sizes[1], N = d.sizes[0] * 8;
   const int64_t size[2] = {M, N};
   AtenTensorHandle out;
@@ -494,7 +494,7 @@ extern "C" AOTITorchError aoti_torch_cpu_int8_linear(AtenTensorHandle x, AtenTen
   if (M > 0 && N > 0)
     kvexport_int8_linear((const float*)a.data, M > 1 ? a.strides[0] : K, (const uint8_t*)d.data, s.data, o.data,
                          (float*)out_data, M, N, K, s.sizes[1] / 8, bits,
-                         s.dtype == aoti_torch_dtype_float16() ? 16 : 32, terms);
+                         s.dtype == aoti_torch_dtype_float16() ? 16 : 32, qact);
   *ret0 = out;
   return AOTI_TORCH_SUCCESS;
 }

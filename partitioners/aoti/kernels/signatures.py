@@ -88,15 +88,15 @@ PACKED_LINEAR = Kernel(
 )
 INT8_LINEAR = Kernel(
     "int8_linear",
-    # x [M, K] (row stride ldx), its rows rounded to int8 per block of 32 (terms 1) or to that plus
-    # its rounding error rounded alike (terms 2), @ the weight of codes in blocks [N, K].T -> out
+    # x [M, K] (row stride ldx), its rows rounded per block of 32 as contract/schemes.py's QACT[qact]
+    # says (1 int8, 2 int8x2, 3 int16), @ the weight of codes in blocks [N, K].T -> out
     # [M, N]: data uint8 [N / 8, K * bits] (passes/packed_weights.py), scale and offset
     # [N / 8, groups * 8], fp32 (scale_bits 32) or fp16 (16); all contiguous
     math=("const float* x", "int64_t ldx", "const uint8_t* data", "const void* scale", "const void* offset",
           "float* out", "int64_t M", "int64_t N", "int64_t K", "int64_t groups", "int64_t bits", "int64_t scale_bits",
-          "int64_t terms"),
+          "int64_t qact"),
     shim=("AtenTensorHandle x", "AtenTensorHandle data", "AtenTensorHandle scale", "AtenTensorHandle offset",
-          "int64_t bits", "int64_t terms"),
+          "int64_t bits", "int64_t qact"),
 )
 # int8_linear's two builds (kernels/build.py): its entry calls the VNNI one where the CPU has VNNI
 INT8_LINEAR_MADDUBS = Kernel("int8_linear_maddubs", math=INT8_LINEAR.math, shim=None)

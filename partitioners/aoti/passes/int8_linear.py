@@ -8,8 +8,10 @@ int8_rows), the weight's codes in blocks dequantized, and a linear. This
 pass, run only where a method is compiled, recognizes exactly that
 arithmetic and replaces it with one kernel call, which rounds the rows the
 same way and multiplies the codes as integers. Rows rounded with two terms
-(--qact int8x2: int8_rows(x) + int8_rows(x - int8_rows(x))) take the same
-kernel with terms=2. Anything that does not match
+(--qact int8x2: int8_rows(x) + int8_rows(x - int8_rows(x))) or to int16
+codes (--qact int16: int16_rows, a step of largest magnitude / 32767) take
+the same kernel, its `qact` argument saying which (contract/schemes.py's
+QACT index). Anything that does not match
 the decomposition exactly is left as it is. The eager implementation of the
 op is the decomposition itself.
 """
@@ -22,8 +24,9 @@ import torch.fx
 from kvexport.partitioners.aoti.passes.packed_linear import _source, _stored, _val, dequantized
 from kvexport.partitioners.aoti.passes.rows_linear import emit_rows_product
 from kvexport.passes.base import RewritePass, arguments, static_rows
+from kvexport.contract.schemes import QACT
 from kvexport.passes.packed_weights import (
-    BLOCK, INV_127, PANEL_ROWS, SMALLEST_TOP, _dequantize_blocks, _int8_rows, _int8x2_rows,
+    BLOCK, INV_127, INV_32767, PANEL_ROWS, SMALLEST_TOP, _dequantize_blocks, rounded_rows,
 )
 
 aten = torch.ops.aten
@@ -31,16 +34,16 @@ aten = torch.ops.aten
 
 @torch.library.custom_op("kvexport::int8_linear", mutates_args=())
 def int8_linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
-                terms: int) -> torch.Tensor:
-    """x [M, K] (rows contiguous), rounded to int8 per block of 32 (terms 2:
-    plus its rounding error rounded alike), times the weight of codes in
-    blocks, transposed: [M, N]."""
-    rounded = _int8x2_rows(x) if terms == 2 else _int8_rows(x)
+                qact: int) -> torch.Tensor:
+    """x [M, K] (rows contiguous), rounded per block of 32 as QACT[qact]
+    rounds it (int8, int8x2 or int16), times the weight of codes in blocks,
+    transposed: [M, N]."""
+    rounded = rounded_rows(x, QACT[qact])
     return torch.nn.functional.linear(rounded, _dequantize_blocks(data, scale, offset, bits, x.dtype))
 
 
 @int8_linear.register_fake
-def _(x, data, scale, offset, bits, terms):
+def _(x, data, scale, offset, bits, qact):
     return x.new_empty(x.shape[0], data.shape[0] * PANEL_ROWS)
 
 
@@ -51,10 +54,11 @@ def _call(node: object, target, arity: int) -> bool:
     return isinstance(node, torch.fx.Node) and node.target is target and len(node.args) == arity
 
 
-def int8_rows_of(node: object) -> torch.fx.Node | None:
+def int8_rows_of(node: object, inverse_limit: float = INV_127) -> torch.fx.Node | None:
     """x when `node` is exactly int8_rows(x) of a 2-d fp32 x: its blocks of
     32, their step (the larger of max and minus min, at least SMALLEST_TOP,
-    times INV_127), round(blocks / step) * step; else None."""
+    times INV_127), round(blocks / step) * step; else None. With
+    INV_32767, the same for int16_rows(x)."""
     result = _source(node)
     if not _call(result, aten.mul.Tensor, 2):
         return None
@@ -62,7 +66,7 @@ def int8_rows_of(node: object) -> torch.fx.Node | None:
     if not (_call(rounded, aten.round.default, 1) and _call(rounded.args[0], aten.div.Tensor, 2)):
         return None
     blocks, divisor = rounded.args[0].args
-    if divisor is not step or not (_call(step, aten.mul.Tensor, 2) and step.args[1] == INV_127):
+    if divisor is not step or not (_call(step, aten.mul.Tensor, 2) and step.args[1] == inverse_limit):
         return None
     clamp = step.args[0]
     if not (_call(clamp, aten.clamp.default, 2) and clamp.args[1] == SMALLEST_TOP):
@@ -86,19 +90,22 @@ def int8_rows_of(node: object) -> torch.fx.Node | None:
 
 
 def rounded_rows_of(node: object) -> tuple[torch.fx.Node, int] | None:
-    """(x, terms) when `node` is exactly int8_rows(x) (terms 1) or
-    int8x2_rows(x), int8_rows(x) + int8_rows(x - int8_rows(x)) with the
-    first rounding computed once (terms 2); else None."""
+    """(x, qact) when `node` is exactly int8_rows(x) (qact 1), int8x2_rows(x),
+    int8_rows(x) + int8_rows(x - int8_rows(x)) with the first rounding
+    computed once (2), or int16_rows(x) (3); else None."""
     x = int8_rows_of(node)
     if x is not None:
-        return x, 1
+        return x, QACT.index("int8")
+    x = int8_rows_of(node, INV_32767)
+    if x is not None:
+        return x, QACT.index("int16")
     if not _call(node, aten.add.Tensor, 2):
         return None
     first, second = node.args
     x, error = int8_rows_of(first), int8_rows_of(second)
     if x is None or not (_call(error, aten.sub.Tensor, 2) and error.args[0] is x and error.args[1] is first):
         return None
-    return x, 2
+    return x, QACT.index("int8x2")
 
 
 def _panel_order(node: object, dims: list[int], rank: int) -> torch.fx.Node | None:
@@ -143,15 +150,15 @@ def _block_table(node: object) -> torch.fx.Node | None:
 
 
 def int8_product(linear: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node, torch.fx.Node, int, int] | None:
-    """(x, data, scale, offset, bits, terms) when `linear` multiplies
-    int8_rows(x) or int8x2_rows(x) by a blocks-format weight's
-    dequantization; else None."""
+    """(x, data, scale, offset, bits, qact) when `linear` multiplies
+    int8_rows(x), int8x2_rows(x) or int16_rows(x) by a blocks-format
+    weight's dequantization; else None."""
     given = arguments(linear)
     rounded = rounded_rows_of(given["input"])
     found = dequantized(given["weight"], _block_codes, _block_table)
     if rounded is None or found is None:
         return None
-    x, terms = rounded
+    x, qact = rounded
     (data, bits), scale, offset, product = found
     (panels, width), (scale_panels, columns), k = _val(data).shape, _val(scale).shape, _val(x).shape[-1]
     groups, n = columns // PANEL_ROWS, panels * PANEL_ROWS
@@ -160,7 +167,7 @@ def int8_product(linear: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, t
             and tuple(_val(offset).shape) == (panels, columns) and _val(offset).dtype == _val(scale).dtype
             and k % (BLOCK * groups) == 0 and tuple(_val(product).shape[-2:]) == (groups, k // groups)
             and w.dtype == torch.float32 and tuple(w.shape) == (n, k)):
-        return x, data, scale, offset, bits, terms
+        return x, data, scale, offset, bits, qact
     return None
 
 
@@ -191,5 +198,5 @@ class Int8LinearPass(RewritePass):
         return found
 
     def rewrite(self, graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
-        x, data, scale, offset, bits, terms = int8_product(node)
-        return emit_rows_product(graph, node, INT8_LINEAR, data, scale, offset, bits, terms, x=x)
+        x, data, scale, offset, bits, qact = int8_product(node)
+        return emit_rows_product(graph, node, INT8_LINEAR, data, scale, offset, bits, qact, x=x)
