@@ -576,54 +576,34 @@ def test_int8_linear_sums_the_largest_products_exactly(isa, shims, bits, rows):
         assert_float_sum(got, _int8_rows(x).double(), codes.double())
 
 
-# two terms: one row and a pass's worth (2 M rows of codes: 8 sessions are 16, two passes; 5 rows, passes of 6
-# and 4 code rows), prefill-sized, strided
-INT8X2_CASES = [(b, r, n, k, gr, s, h) for b in (4, 8) for r, n, k, gr, s, h in (
-    (1, 64, 64, 2, 0, False), (3, 136, 96, 1, 0, True), (5, 24, 224, 7, 0, True), (8, 40, 576, 18, 0, True),
-    (9, 576, 4096, 128, 0, True), (40, 64, 64, 2, 70, False))]
-
-
-@pytest.mark.parametrize("bits,rows,out_features,width,groups,row_stride,half", INT8X2_CASES)
-def test_int8_linear_with_two_terms(isa, shims, bits, rows, out_features, width, groups, row_stride, half):
-    """terms=2 rounds x and then its rounding error to the codes of the
-    definition (int8x2_rows) and sums both products exactly; the result is
-    far closer to the float product than one term's."""
-    x, data, scale, offset, rounded, weight = int8_operands(bits, rows, out_features, width, groups, row_stride, half,
-                                                            qact=2)
-    out = torch.full((rows, out_features), float("nan"))
-    got = build.int8_linear(x, data, scale, offset, bits, 2, out=out, isa=isa)
-    assert_float_sum(got, rounded, weight)
-    assert_float_sum(shims.call("int8_linear", x, data, scale, offset, bits, 2), rounded, weight)
-    for products in INT8_PRODUCTS[isa]:
-        assert_float_sum(build.int8_linear(x, data, scale, offset, bits, 2, isa=isa, products=products), rounded, weight)
-    exact = x.double() @ weight.T
-    one_term = (build.int8_linear(x, data, scale, offset, bits, isa=isa).double() - exact).abs().max()
-    assert (got.double() - exact).abs().max() < one_term / 30
-
-
-# int16 codes: one row, a pass and more (8 sessions: two passes on AVX2), odd block counts and groups of
-# several blocks, a prefill-sized slice over more panels than one chunk, strided rows
-INT16_CASES = [(b, r, n, k, gr, s, h) for b in (4, 8) for r, n, k, gr, s, h in (
+# finer activations than one int8 term: two terms (qact 2: one row and a pass's worth, 2 M rows of codes: 8
+# sessions are 16, two passes; 5 rows, passes of 6 and 4 code rows) and int16 codes (qact 3: 8 sessions are two
+# passes on AVX2), odd block counts and groups of several blocks, prefill-sized over more panels than one chunk,
+# strided rows
+FINER_CASES = [(q, b, r, n, k, gr, s, h) for q in (2, 3) for b in (4, 8) for r, n, k, gr, s, h in (
     (1, 64, 64, 2, 0, False), (3, 136, 96, 1, 0, True), (5, 24, 224, 7, 0, True), (8, 40, 576, 18, 0, True),
     (9, 576, 4096, 128, 0, True), (40, 64, 64, 2, 70, False), (4, 16, 160, 1, 0, False))]
 
 
-@pytest.mark.parametrize("bits,rows,out_features,width,groups,row_stride,half", INT16_CASES)
-def test_int8_linear_with_int16_codes(isa, shims, bits, rows, out_features, width, groups, row_stride, half):
-    """qact=3 rounds x to the int16 codes of the definition (int16_rows) and
-    sums their products with the weight's codes exactly; the result is far
-    closer to the float product than int8 codes' (a 256 x finer step)."""
+@pytest.mark.parametrize("qact,bits,rows,out_features,width,groups,row_stride,half", FINER_CASES)
+def test_int8_linear_with_finer_activations(isa, shims, qact, bits, rows, out_features, width, groups, row_stride,
+                                            half):
+    """qact=2 rounds x and then its rounding error to the codes of the
+    definition (int8x2_rows), qact=3 rounds x to int16 codes (int16_rows),
+    and the kernel sums their products exactly; the result is far closer to
+    the float product than one int8 term's."""
     x, data, scale, offset, rounded, weight = int8_operands(bits, rows, out_features, width, groups, row_stride, half,
-                                                            qact=3)
+                                                            qact=qact)
     out = torch.full((rows, out_features), float("nan"))
-    got = build.int8_linear(x, data, scale, offset, bits, 3, out=out, isa=isa)
+    got = build.int8_linear(x, data, scale, offset, bits, qact, out=out, isa=isa)
     assert_float_sum(got, rounded, weight)
-    assert_float_sum(shims.call("int8_linear", x, data, scale, offset, bits, 3), rounded, weight)
+    assert_float_sum(shims.call("int8_linear", x, data, scale, offset, bits, qact), rounded, weight)
     for products in INT8_PRODUCTS[isa]:
-        assert_float_sum(build.int8_linear(x, data, scale, offset, bits, 3, isa=isa, products=products), rounded, weight)
+        assert_float_sum(build.int8_linear(x, data, scale, offset, bits, qact, isa=isa, products=products), rounded,
+                         weight)
     exact = x.double() @ weight.T
-    int8 = (build.int8_linear(x, data, scale, offset, bits, isa=isa).double() - exact).abs().max()
-    assert (got.double() - exact).abs().max() < int8 / 30
+    one_term = (build.int8_linear(x, data, scale, offset, bits, isa=isa).double() - exact).abs().max()
+    assert (got.double() - exact).abs().max() < one_term / 30
 
 
 @pytest.mark.parametrize("bits", [4, 8])
