@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from kvexport.contract.schemes import QACT
 from kvexport.partitioners.aoti.passes.packed_linear import _source, _stored, _val, dequantized
 from kvexport.partitioners.aoti.passes.rows_linear import emit_rows_product
 from kvexport.passes.base import RewritePass, arguments, static_rows
-from kvexport.contract.schemes import QACT
 from kvexport.passes.packed_weights import (
     BLOCK, INV_127, INV_32767, PANEL_ROWS, SMALLEST_TOP, _dequantize_blocks, rounded_rows,
 )
