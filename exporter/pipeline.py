@@ -186,7 +186,8 @@ def _qact(spec, options) -> str:
     on its own kernels and the scheme can take them."""
     if spec.qact:
         return spec.qact
-    return schemes.BY_WIDTH if options.int8_products and schemes.int8_activations(schemes.BY_NAME.get(spec.qlinear)) else "none"
+    takes = options.int8_products and schemes.int8_activations(schemes.BY_NAME.get(spec.qlinear))
+    return schemes.BY_WIDTH if takes else "none"
 
 
 @step("reference (float)")

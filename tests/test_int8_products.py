@@ -26,8 +26,8 @@ from kvexport.partitioners.aoti.passes.int8_linear import INT8_LINEAR, Int8Linea
 from kvexport.passes.base import run_passes
 from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
 from kvexport.passes.packed_weights import (
-    INV_127, INV_32767, _dequantize_blocks, int8_rows, int8x2_rows, int16_rows, narrow_tables, pack_blocks, pack_table, unpack_blocks,
-    unpack_table,
+    INV_127, INV_32767, _dequantize_blocks, int8_rows, int8x2_rows, int16_rows, narrow_tables, pack_blocks, pack_table,
+    unpack_blocks, unpack_table,
 )
 
 
@@ -365,12 +365,11 @@ def test_a_tied_head_multiplies_the_embeddings_codes_with_int8_activations(tmp_p
 @pytest.mark.parametrize("qact,qlinear", [("int8x2", "4w"), ("int16", "8w")])
 def test_a_package_with_finer_activations_runs_them_on_the_kernel_and_verifies(tiny_package, qact, qlinear):
     """--qact int8x2 (two int8 terms) over 4-bit codes or int16 over 8-bit
-    ones (a scale a row) on aoti: every linear but the
-    tied head takes them, the report says so, the static methods call the
-    int8 kernel, and the package verifies (export checks its tokens alone
-    and batched against its eager reference, int8x2_rows' or int16_rows'
-    arithmetic); the runtime's greedy tokens are the eagerly quantized
-    model's."""
+    ones (a scale a row) on aoti: every linear but the tied head takes them,
+    the report says so, the static methods call the int8 kernel, and the
+    package verifies (export checks its tokens alone and batched against its
+    eager reference, int8x2_rows' or int16_rows' arithmetic); the runtime's
+    greedy tokens are the eagerly quantized model's."""
     from helpers import PROGRESS, hf_greedy, prompt_of
     from kvexport.exporter.sources.models import load_model
     from kvexport.partitioners.aoti.kernels import build

@@ -197,9 +197,10 @@ DYNAMIC_INT8_BITS = (4, 8)
 def int8_linear(x, data, scale, offset, bits: int, qact: int = 1, out=None, isa: str | None = None, products: str = ""):
     """x [M, K] (unit stride along K), its rows rounded per block of 32 as
     contract/schemes.py's QACT[qact] says (1: int8_rows; 2: int8x2_rows,
-    that plus its rounding error rounded alike; 3: int16_rows), times the weight of codes in the blocks format (data uint8
-    [N / 8, K * bits], scale and offset [N / 8, groups * 8], both fp32 or both
-    fp16; passes/packed_weights.py) transposed, on the int8_linear kernel
+    that plus its rounding error rounded alike; 3: int16_rows), times the
+    weight of codes in the blocks format (data uint8 [N / 8, K * bits], scale
+    and offset [N / 8, groups * 8], both fp32 or both fp16;
+    passes/packed_weights.py) transposed, on the int8_linear kernel
     (built for `isa`), into out [M, N] when given. products: "" as compiled
     code runs it (VNNI where the CPU has it), "maddubs" or "vnni" (see
     has_vnni) for that build alone."""

@@ -82,8 +82,8 @@ constexpr int64_t CHUNK_BYTES = 192 << 10;
 // the same fp32 constants as int8_rows' (a double rounded to float, as torch rounds a Python scalar)
 const float INV_127 = (float)(1.0 / 127.0), INV_32767 = (float)(1.0 / 32767.0);
 const float SMALLEST_TOP = (float)1e-30;
-// the kernel's `qact` argument: contract/schemes.py's QACT index of the activations' rounding
-constexpr int64_t INT8 = 1, INT8X2 = 2, INT16 = 3;
+// the kernel's `qact` argument: contract/schemes.py's QACT index of the activations' rounding (1: int8)
+constexpr int64_t INT8X2 = 2, INT16 = 3;
 
 typedef __m256i ivec;
 
@@ -171,8 +171,8 @@ inline void block_codes16(const float* p, float& step, int32_t& sum, ivec (&out)
 Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups, int terms, int64_t per_pass,
               bool wide = false) {
   const int64_t blocks = K / BLOCK, per_group = blocks / groups, R = M * terms;
-  Rows r{std::vector<int8_t>(R * K * (wide ? 2 : 1)), std::vector<float>(R * blocks), std::vector<float>(M * groups, 0.0f),
-         per_pass >= R};
+  Rows r{std::vector<int8_t>(R * K * (wide ? 2 : 1)), std::vector<float>(R * blocks),
+         std::vector<float>(M * groups, 0.0f), per_pass >= R};
   // code row `row`'s block b from the 32 floats at p (and their rounding error into `error`, if given)
   const auto put = [&](int64_t row, int64_t b, const float* p, float* error) {
     // its pass: from row `first`, n rows
