@@ -7,8 +7,8 @@ rows, in one run:
   for 4- and 8-bit codes (per group of 32, and 8-bit per row as 8w stores it),
   weight-only (packed) and with int8 activations (codes in blocks, as
   --qact int8 stores them; with two int8 terms, --qact int8x2; with int16
-  codes, --qact int16), the latter on both builds of the int8 kernel where the CPU has VNNI (maddubs,
-  vnni);
+  codes, --qact int16), the latter on both builds of the int8 kernel where
+  the CPU has VNNI (maddubs, vnni);
 - the same products on the row kernel with the fp32 weights, and the BLAS;
   on the row kernel with bf16 rows and weights, both of its builds (widened
   to fp32 in registers: shift; vdpbf16ps where the CPU has AVX512-BF16: dot);

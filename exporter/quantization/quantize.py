@@ -20,8 +20,8 @@ dot products, which the eager reference, the portable backend and the aoti
 kernel all compute. `--qact int8x2` adds each block's rounding error,
 rounded the same way (int8x2_rows): two int8 terms, about 15 bits;
 `--qact int16` rounds each block to int16 codes instead (int16_rows, a step
-of its largest magnitude / 32767). A tied LM head that shares a quantized embedding's
-codes takes them too: the embedding stores them in that format, and its
+of its largest magnitude / 32767). A tied LM head that shares a quantized
+embedding's codes takes them too: the embedding stores them in that format, and its
 lookups read them there. A linear whose rows are not a multiple of 8 or
 whose groups are not whole blocks, or a head tied to such an embedding,
 keeps float activations; the coverage report says which. The scale and offset of a group

@@ -16,15 +16,15 @@
 // (about 15 bits of each activation for twice the integer products; the
 // weight is still read once). With int16 codes (--qact int16, int16_rows:
 // step = largest magnitude / 32767), the products are madd's (or VNNI's
-// vpdpwssd's) int16 pairs; panel_rows_wide below says how. Each block's product is an integer dot
-// product, 32 code pairs summed exactly in int32 (maddubs then madd on AVX2;
-// 4-bit codes: int16 sums over the block, then one madd), then scaled by
-// the block's step and the group's scale (two terms: each by its step,
-// summed, then scaled once); the offsets multiply each row's sum of
-// xq over a group (both terms), computed once a call. Summing the two terms a
-// block, not at the end, and their offsets as one took 8 rows of 4-bit codes
-// from 136-140 to 125-129 us in cache (a 4096 x 576 weight, a scratch A/B on
-// Zen 4).
+// vpdpwssd's) int16 pairs; panel_rows_wide below says how. Each block's
+// product is an integer dot product, 32 code pairs summed exactly in int32
+// (maddubs then madd on AVX2; 4-bit codes: int16 sums over the block, then
+// one madd), then scaled by the block's step and the group's scale (two
+// terms: each by its step, summed, then scaled once); the offsets multiply
+// each row's sum of xq over a group (both terms), computed once a call.
+// Summing the two terms a block, not at the end, and their offsets as one
+// took 8 rows of 4-bit codes from 136-140 to 125-129 us in cache (a 4096 x
+// 576 weight, a scratch A/B on Zen 4).
 //
 // 4-bit codes are unpacked in registers (a mask, and a shift and a mask, of
 // 32 bytes give two quads of the panel's 8 rows). A thread walks its own band
@@ -681,8 +681,8 @@ void product(const float* x, int64_t ldx, const uint8_t* data, const S* scale, c
     for (int64_t c0 = first; c0 < last; c0 += chunk) {
       const int64_t c1 = c0 + chunk < last ? c0 + chunk : last;
       for (int64_t m = 0; m < R; m += per_pass)
-        rows_by_panels<BITS, MR_MAX, TERMS, WIDE>((int)(R - m < per_pass ? R - m : per_pass), rows, m, data, scale, offset,
-                                            c0, c1, K, groups, out, N);
+        rows_by_panels<BITS, MR_MAX, TERMS, WIDE>((int)(R - m < per_pass ? R - m : per_pass), rows, m, data, scale,
+                                                  offset, c0, c1, K, groups, out, N);
     }
   }
 }
