@@ -709,15 +709,16 @@ def test_register_tiles_stay_in_registers(disassembly):
     assert checked >= 10 and row_kernel >= 10
 
 
-@pytest.mark.parametrize("bits,qact", [(4, 1), (8, 1), (4, 2), (4, 3), (8, 3)])
-def test_the_int8_kernel_runs_vnni_where_the_cpu_has_it(isa, shims, bits, qact):
+@pytest.mark.parametrize("bits,qact,groups", [(4, 1, 3), (8, 1, 3), (4, 2, 3), (4, 3, 3), (8, 3, 3), (8, 3, 1)])
+def test_the_int8_kernel_runs_vnni_where_the_cpu_has_it(isa, shims, bits, qact, groups):
     """Both builds sum the same integers: with 4-bit codes, and with int16
-    codes (vpdpwssd against madd), the same bits (one term or two,
-    whichever tiling the VNNI build takes); compiled code (the shim) runs
-    the VNNI build where the CPU has it."""
+    codes (vpdpwssd against madd; 8w's one scale a row too), the same bits
+    (one term or two, whichever tiling the VNNI build takes: 17 panels are
+    pairs and one alone); compiled code (the shim) runs the VNNI build
+    where the CPU has it."""
     if "vnni" not in INT8_PRODUCTS[isa]:
         pytest.skip(f"this CPU has no VNNI for the {isa} build")
-    x, data, scale, offset, _, _ = int8_operands(bits, 5, 136, 96, 3, half=True, qact=qact)
+    x, data, scale, offset, _, _ = int8_operands(bits, 5, 136, 96, groups, half=True, qact=qact)
     vnni = build.int8_linear(x, data, scale, offset, bits, qact, isa=isa, products="vnni")
     assert torch.equal(shims.call("int8_linear", x, data, scale, offset, bits, qact), vnni)
     if bits == 4 or qact == 3:
