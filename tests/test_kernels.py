@@ -713,9 +713,9 @@ def test_register_tiles_stay_in_registers(disassembly):
 def test_the_int8_kernel_runs_vnni_where_the_cpu_has_it(isa, shims, bits, qact, groups):
     """Both builds sum the same integers: with 4-bit codes, and with int16
     codes (vpdpwssd against madd; 8w's one scale a row too), the same bits
-    (one term or two, whichever tiling the VNNI build takes: 17 panels are
-    pairs and one alone); compiled code (the shim) runs the VNNI build
-    where the CPU has it."""
+    (one term or two, whichever tiling the VNNI build takes: 136 outputs
+    are 17 panels, in pairs and one alone); compiled code (the shim) runs
+    the VNNI build where the CPU has it."""
     if "vnni" not in INT8_PRODUCTS[isa]:
         pytest.skip(f"this CPU has no VNNI for the {isa} build")
     x, data, scale, offset, _, _ = int8_operands(bits, 5, 136, 96, groups, half=True, qact=qact)
