@@ -500,46 +500,77 @@ inline ivec dot16(ivec acc, ivec w, ivec x) {
 #endif
 }
 
-template <int BITS, int MR, bool ONE_GROUP, typename S>
+// the wide products' vector operations over P panels: one panel's 8 weight
+// rows in 256-bit vectors; two panels' in 512-bit ones (Wide<2>, the pair
+// tiling's below)
+template <int P>
+struct Wide;
+template <>
+struct Wide<1> {
+  typedef ivec I;
+  typedef vec F;
+  static I codes(const uint8_t* a, const uint8_t*) { return _mm256_loadu_si256((const ivec*)a); }
+  static I none() { return _mm256_setzero_si256(); }
+  static void split(I bytes, I& low, I& high) { nibbles(bytes, low, high); }  // 4-bit codes
+  static I widen_low(I codes) { return _mm256_unpacklo_epi8(codes, none()); }
+  static I widen_high(I codes) { return _mm256_unpackhi_epi8(codes, none()); }
+  static I four(int64_t codes) { return _mm256_set1_epi64x(codes); }
+  static I dot(I acc, I w, I x) { return dot16(acc, w, x); }
+  static I pair_sums(I low, I high) { return _mm256_hadd_epi32(low, high); }  // each weight row's two lanes, in order
+  static F fzero() { return zero(); }
+  template <typename S>
+  static F scales(const S* a, const S*) { return load8(a); }
+  static vec panel(F a, int) { return a; }  // panel t's 8 lanes
+};
+
+// rows m0..m0+MR by panels p0..p0+P of 8 weight rows with int16 codes
+template <int BITS, int MR, int P, bool ONE_GROUP, typename S>
 inline void panel_rows_wide(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset,
                             int64_t p0, int64_t K, int64_t groups, float* out, int64_t N) {
+  using W = Wide<P>;
+  typedef typename W::I I;
   const Operands<BITS, MR, 1, S, true> op(rows, m0, data, scale, offset, p0, K, groups);
-  const ivec none = _mm256_setzero_si256();
-  vec acc[MR];
+  typename W::F acc[MR];
 #pragma GCC unroll 8
-  for (int i = 0; i < MR; i++) acc[i] = zero();
+  for (int i = 0; i < MR; i++) acc[i] = W::fzero();
   for (int64_t b = 0; b < op.blocks; b++) {
-    op.template fetch_ahead<1>(b);
-    ivec low[MR], high[MR];  // rows 0, 1, 4, 5 and rows 2, 3, 6, 7: two lanes a weight row
+    op.template fetch_ahead<P>(b);
+    I low[MR], high[MR];  // rows 0, 1, 4, 5 and rows 2, 3, 6, 7 of each panel: two lanes a weight row
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) low[i] = high[i] = none;
+    for (int i = 0; i < MR; i++) low[i] = high[i] = W::none();
 #pragma GCC unroll 8
     for (int q = 0; q < BITS; q++) {  // a block is BITS vectors of a panel
-      const ivec w = _mm256_loadu_si256((const ivec*)(op.block(b, 0) + q * 32));
+      const I w = W::codes(op.block(b, 0) + q * 32, op.block(b, P - 1) + q * 32);
       // 8 bits: quad q's codes; 4 bits: the low nibbles (quad q) and the high ones (quad QUADS / 2 + q)
-      ivec codes[BITS == 4 ? 2 : 1];
+      I codes[BITS == 4 ? 2 : 1];
       if constexpr (BITS == 4)
-        nibbles(w, codes[0], codes[1]);
+        W::split(w, codes[0], codes[1]);
       else
         codes[0] = w;
 #pragma GCC unroll 2
       for (int h = 0; h < (BITS == 4 ? 2 : 1); h++) {
-        const ivec w_low = _mm256_unpacklo_epi8(codes[h], none), w_high = _mm256_unpackhi_epi8(codes[h], none);
+        const I w_low = W::widen_low(codes[h]), w_high = W::widen_high(codes[h]);
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i++) {
-          const ivec x = _mm256_set1_epi64x(op.four16(i, b * QUADS + h * QUADS / 2 + q));
-          low[i] = dot16(low[i], w_low, x);
-          high[i] = dot16(high[i], w_high, x);
+          const I x = W::four(op.four16(i, b * QUADS + h * QUADS / 2 + q));
+          low[i] = W::dot(low[i], w_low, x);
+          high[i] = W::dot(high[i], w_high, x);
         }
       }
     }
-    const vec s = ONE_GROUP ? zero() : load8(op.scale8(0, b / op.per_group));
+    const int64_t g = b / op.per_group;
+    const typename W::F s = ONE_GROUP ? W::fzero() : W::scales(op.scale8(0, g), op.scale8(P - 1, g));
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++)
-      acc[i] = add_block<ONE_GROUP, 1>(acc[i], _mm256_hadd_epi32(low[i], high[i]), op.step(i, b), none, 0.0f, s);
+      acc[i] = add_block<ONE_GROUP, 1>(acc[i], W::pair_sums(low[i], high[i]), op.step(i, b), W::none(), 0.0f, s);
   }
-  op.template finish<ONE_GROUP>(0, acc);
-  store_rows(acc, m0, out, N, p0 * PANEL);
+  for (int t = 0; t < P; t++) {
+    vec result[MR];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; i++) result[i] = W::panel(acc[i], t);
+    op.template finish<ONE_GROUP>(t, result);
+    store_rows(result, m0, out, N, (p0 + t) * PANEL);
+  }
 }
 
 // ---- the pair tiling (the VNNI build on AVX-512): two panels' 16 weight rows across the lanes of 512-bit vectors
@@ -625,71 +656,38 @@ inline void panel_pair_rows(const Rows& rows, int64_t m0, const uint8_t* data, c
   }
 }
 
-// panel_rows_wide's arithmetic over panels p0 and p0 + 1 at once: int16
-// products with 512-bit vpdpwssd. AVX-512 has no 512-bit hadd: two
-// shuffles and an add put each 128-bit lane's pairs of sums in hadd's
-// order. On an Intel Xeon (AVX-512 VNNI) over 8 rows of 8-bit codes from
-// memory, panel_rows_wide alone took 1.36 x int8's time, this 1.10-1.12 x
-// (bench/packed_kernel.py); a 512-token prompt of an 8w package ran
-// 1.04-1.18 x faster (int8 still 1.5 x faster: 2 products a lane where
-// int8 has 4)
-template <int BITS, int MR, bool ONE_GROUP, typename S>
-inline void panel_pair_rows_wide(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset,
-                                 int64_t p0, int64_t K, int64_t groups, float* out, int64_t N) {
-  const Operands<BITS, MR, 1, S, true> op(rows, m0, data, scale, offset, p0, K, groups);
-  const wivec none = _mm512_setzero_si512();
-  wvec acc[MR];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < op.blocks; b++) {
-    op.template fetch_ahead<2>(b);
-    wivec low[MR], high[MR];  // in each 128-bit lane, as panel_rows_wide's: two lanes a weight row
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) low[i] = high[i] = none;
-#pragma GCC unroll 8
-    for (int q = 0; q < BITS; q++) {
-      const wivec w = pair_codes(op.block(b, 0) + q * 32, op.block(b, 1) + q * 32);
-      wivec codes[BITS == 4 ? 2 : 1];
-      if constexpr (BITS == 4)
-        nibbles(w, codes[0], codes[1]);
-      else
-        codes[0] = w;
-#pragma GCC unroll 2
-      for (int h = 0; h < (BITS == 4 ? 2 : 1); h++) {
-        const wivec w_low = _mm512_unpacklo_epi8(codes[h], none), w_high = _mm512_unpackhi_epi8(codes[h], none);
-#pragma GCC unroll 8
-        for (int i = 0; i < MR; i++) {
-          const wivec x = _mm512_set1_epi64(op.four16(i, b * QUADS + h * QUADS / 2 + q));
-          low[i] = _mm512_dpwssd_epi32(low[i], w_low, x);
-          high[i] = _mm512_dpwssd_epi32(high[i], w_high, x);
-        }
-      }
-    }
-    const int64_t g = b / op.per_group;
-    const wvec s = ONE_GROUP ? _mm512_setzero_ps() : pair8(op.scale8(0, g), op.scale8(1, g));
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) {
-      const wvec l = _mm512_castsi512_ps(low[i]), h = _mm512_castsi512_ps(high[i]);
-      const wivec sums = _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(l, h, 0x88)),
-                                          _mm512_castps_si512(_mm512_shuffle_ps(l, h, 0xdd)));
-      acc[i] = add_block<ONE_GROUP, 1>(acc[i], sums, op.step(i, b), none, 0.0f, s);
-    }
+// the int16 products over two panels: 512-bit vpdpwssd. AVX-512 has no
+// 512-bit hadd: two shuffles and an add put each 128-bit lane's pairs of
+// sums in hadd's order. On an Intel Xeon (AVX-512 VNNI) over 8 rows of
+// 8-bit codes from memory, one panel at a time took 1.36 x int8's time,
+// two 1.10-1.12 x (bench/packed_kernel.py); a 512-token prompt of an 8w
+// package ran 1.04-1.18 x faster (int8 still 1.5 x faster: 2 products a
+// lane where int8 has 4)
+template <>
+struct Wide<2> {
+  typedef wivec I;
+  typedef wvec F;
+  static I codes(const uint8_t* a, const uint8_t* b) { return pair_codes(a, b); }
+  static I none() { return _mm512_setzero_si512(); }
+  static void split(I bytes, I& low, I& high) { nibbles(bytes, low, high); }  // 4-bit codes
+  static I widen_low(I codes) { return _mm512_unpacklo_epi8(codes, none()); }
+  static I widen_high(I codes) { return _mm512_unpackhi_epi8(codes, none()); }
+  static I four(int64_t codes) { return _mm512_set1_epi64(codes); }
+  static I dot(I acc, I w, I x) { return _mm512_dpwssd_epi32(acc, w, x); }
+  static I pair_sums(I low, I high) {
+    const wvec l = _mm512_castsi512_ps(low), h = _mm512_castsi512_ps(high);
+    return _mm512_add_epi32(_mm512_castps_si512(_mm512_shuffle_ps(l, h, 0x88)),
+                            _mm512_castps_si512(_mm512_shuffle_ps(l, h, 0xdd)));
   }
-  for (int t = 0; t < 2; t++) {
-    vec result[MR];
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) result[i] = t ? high_half(acc[i]) : low_half(acc[i]);
-    op.template finish<ONE_GROUP>(t, result);
-    store_rows(result, m0, out, N, (p0 + t) * PANEL);
-  }
-}
+  static F fzero() { return _mm512_setzero_ps(); }
+  template <typename S>
+  static F scales(const S* a, const S* b) { return pair8(a, b); }
+  static vec panel(F a, int t) { return t ? high_half(a) : low_half(a); }
+};
 #else
 template <int BITS, int MR, bool ONE_GROUP, int TERMS, typename S>
 inline void panel_pair_rows(const Rows&, int64_t, const uint8_t*, const S*, const S*, int64_t, int64_t, int64_t, float*,
                             int64_t) {}
-template <int BITS, int MR, bool ONE_GROUP, typename S>
-inline void panel_pair_rows_wide(const Rows&, int64_t, const uint8_t*, const S*, const S*, int64_t, int64_t, int64_t,
-                                 float*, int64_t) {}
 #endif
 
 // rows m0..m0+MR (MR = rows, up to MR_MAX; TERMS 2: both even) by panels p0..p1, P at a time; WIDE: int16 codes
@@ -705,12 +703,12 @@ void rows_by_panels(int rows, const Rows& r, int64_t m0, const uint8_t* data, co
     int64_t p = p0;
     if constexpr (PAIRS && MR > 1) {
       for (; p + 2 <= p1; p += 2)
-        one_group ? panel_pair_rows_wide<BITS, MR, true>(r, m0, data, scale, offset, p, K, groups, out, N)
-                  : panel_pair_rows_wide<BITS, MR, false>(r, m0, data, scale, offset, p, K, groups, out, N);
+        one_group ? panel_rows_wide<BITS, MR, 2, true>(r, m0, data, scale, offset, p, K, groups, out, N)
+                  : panel_rows_wide<BITS, MR, 2, false>(r, m0, data, scale, offset, p, K, groups, out, N);
     }
     for (; p < p1; p++)
-      one_group ? panel_rows_wide<BITS, MR, true>(r, m0, data, scale, offset, p, K, groups, out, N)
-                : panel_rows_wide<BITS, MR, false>(r, m0, data, scale, offset, p, K, groups, out, N);
+      one_group ? panel_rows_wide<BITS, MR, 1, true>(r, m0, data, scale, offset, p, K, groups, out, N)
+                : panel_rows_wide<BITS, MR, 1, false>(r, m0, data, scale, offset, p, K, groups, out, N);
     return;
   }
   // one row takes one panel at a time: a single stream through memory. Taking 4 (2 on AVX2) shared the
