@@ -7,14 +7,15 @@ every round.
 
     python bench/ab_kernels.py --base HEAD~1 [--isa avx2] [--shape llama3.2-1b] [--rows 1,4,8] [--dtype fp32,bf16]
     python bench/ab_kernels.py --base HEAD~1 --shim --rows 512 --dtype bf16 --layers 2 --rounds 6
-    python bench/ab_kernels.py --base HEAD~1 --dtype 4w,8w [--rows 1,4,8] [--layers 2] [--in-cache]
+    python bench/ab_kernels.py --base HEAD~1 --dtype 4w,8w [--rows 1,4,8] [--layers 2] [--in-cache] [--qact int16]
 
-`--dtype 4w` and `8w` time the int8 kernel's entry (int8 activations: the
-VNNI build where the CPU has it) on 4-bit codes in groups of 32 and 8-bit
-codes with a scale per row, as 4w and 8w packages store them (fp16 tables);
-`--in-cache` multiplies by one weight that stays in the caches instead,
-200 times a round (SmolLM2's gate, 1536 x 576: 442 KB at 4 bits, half on
-each of two cores' L2; 1.8 MB in bf16): the kernel's arithmetic alone.
+`--dtype 4w` and `8w` time the int8 kernel's entry (int8 activations, or
+`--qact`'s: the VNNI build where the CPU has it) on 4-bit codes in groups
+of 32 and 8-bit codes with a scale per row, as 4w and 8w packages store
+them (fp16 tables); `--in-cache` multiplies by one weight that stays in
+the caches instead, 200 times a round (SmolLM2's gate, 1536 x 576: 442 KB
+at 4 bits, half on each of two cores' L2; 1.8 MB in bf16): the kernel's
+arithmetic alone.
 
 `--shim` calls each build's C shim on tensors, as compiled code calls it,
 instead of the kernel's entry: from 128 rows its bf16 products widen their
@@ -44,6 +45,7 @@ import torch
 from big_model import SHAPES
 from common import cpu_model, emit
 from packed_kernel import HOT, blocks
+from kvexport.contract.schemes import QACT
 from kvexport.partitioners.aoti.kernels import build
 from kvexport.partitioners.aoti.kernels.signatures import INT8_LINEAR, ROWS_LINEAR, ROWS_LINEAR_BF16
 
@@ -116,6 +118,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--shim", action="store_true", help="call the C shim on tensors, as compiled code does")
     parser.add_argument("--in-cache", action="store_true", help="a 1536 x 576 weight, 200 times a round")
+    parser.add_argument("--qact", choices=[q for q in QACT if q != "none"], default="int8",
+                        help="the activations' rounding of --dtype 4w and 8w")
     args = parser.parse_args()
     if args.shim and any(d in CODES for d in args.dtype.split(",")):
         parser.error("--shim times the row kernel's shim only (--dtype fp32,bf16)")
@@ -154,7 +158,7 @@ def main() -> None:
                         for ((n, k), (data, scale, offset, bits)), out in zip(weights, outs[name]):
                             calls[name](x.data_ptr(), width, data.data_ptr(), scale.data_ptr(), offset.data_ptr(),
                                         out.data_ptr(), rows, n, k, scale.shape[1] // 8, bits,
-                                        scale.element_size() * 8, 1)
+                                        scale.element_size() * 8, QACT.index(args.qact))
                     else:
                         for w, out in zip(weights, outs[name]):
                             calls[name](x.data_ptr(), width, w.data_ptr(), out.data_ptr(), rows, w.shape[0], w.shape[1])
@@ -177,7 +181,7 @@ def main() -> None:
                 print(results[-1], flush=True)
             del weights
     emit({"cpu": cpu_model(), "isa": args.isa or build._isa(), "shape": args.shape, "base": args.base,
-          "entry": "shim" if args.shim else "kernel", "in_cache": args.in_cache, "layers": args.layers, "rounds": args.rounds, "results": results})
+          "entry": "shim" if args.shim else "kernel", "in_cache": args.in_cache, "qact": args.qact, "layers": args.layers, "rounds": args.rounds, "results": results})
 
 
 if __name__ == "__main__":

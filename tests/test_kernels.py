@@ -582,7 +582,7 @@ def test_int8_linear_sums_the_largest_products_exactly(isa, shims, bits, rows):
 # strided rows
 FINER_CASES = [(q, b, r, n, k, gr, s, h) for q in (2, 3) for b in (4, 8) for r, n, k, gr, s, h in (
     (1, 64, 64, 2, 0, False), (3, 136, 96, 1, 0, True), (5, 24, 224, 7, 0, True), (8, 40, 576, 18, 0, True),
-    (9, 576, 4096, 128, 0, True), (40, 64, 64, 2, 70, False), (4, 16, 160, 1, 0, False))]
+    (9, 576, 4096, 128, 0, True), (40, 64, 64, 2, 70, False), (4, 16, 160, 1, 0, False), (1, 136, 576, 1, 0, True))]
 
 
 @pytest.mark.parametrize("qact,bits,rows,out_features,width,groups,row_stride,half", FINER_CASES)
@@ -709,16 +709,18 @@ def test_register_tiles_stay_in_registers(disassembly):
     assert checked >= 10 and row_kernel >= 10
 
 
-@pytest.mark.parametrize("bits,qact,groups", [(4, 1, 3), (8, 1, 3), (4, 2, 3), (4, 3, 3), (8, 3, 3), (8, 3, 1)])
-def test_the_int8_kernel_runs_vnni_where_the_cpu_has_it(isa, shims, bits, qact, groups):
+@pytest.mark.parametrize("bits,qact,groups,rows", [(4, 1, 3, 5), (8, 1, 3, 5), (4, 2, 3, 5), (4, 3, 3, 5), (8, 3, 3, 5),
+                                                   (8, 3, 1, 5), (8, 3, 1, 1), (8, 3, 3, 1), (4, 3, 3, 1)])
+def test_the_int8_kernel_runs_vnni_where_the_cpu_has_it(isa, shims, bits, qact, groups, rows):
     """Both builds sum the same integers: with 4-bit codes, and with int16
     codes (vpdpwssd against madd; 8w's one scale a row too), the same bits
     (one term or two, whichever tiling the VNNI build takes: 136 outputs
-    are 17 panels, in pairs and one alone); compiled code (the shim) runs
-    the VNNI build where the CPU has it."""
+    are 17 panels, in pairs and one alone; one row of int16 codes by 8-bit
+    ones, WideRow on AVX-512); compiled code (the shim) runs the VNNI build
+    where the CPU has it."""
     if "vnni" not in INT8_PRODUCTS[isa]:
         pytest.skip(f"this CPU has no VNNI for the {isa} build")
-    x, data, scale, offset, _, _ = int8_operands(bits, 5, 136, 96, groups, half=True, qact=qact)
+    x, data, scale, offset, _, _ = int8_operands(bits, rows, 136, 96, groups, half=True, qact=qact)
     vnni = build.int8_linear(x, data, scale, offset, bits, qact, isa=isa, products="vnni")
     assert torch.equal(shims.call("int8_linear", x, data, scale, offset, bits, qact), vnni)
     if bits == 4 or qact == 3:

@@ -42,7 +42,8 @@
 // scale and an FMA per weight row: the arithmetic took twice as long in
 // cache at one row, bench/packed_kernel.py.) The VNNI build on AVX-512 puts
 // two panels in one 512-bit vector over 2 rows or more (the pair tiling),
-// int16 codes too.
+// int16 codes too, and one row's int16 codes by 8-bit ones in 512-bit
+// vectors one panel at a time (WideRow).
 //
 // This file compiles twice (build.py). Built plain, the products are
 // maddubs then madd (AVX2): 8-bit codes, unsigned, are flipped to code - 128
@@ -56,6 +57,7 @@
 #include <omp.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -507,6 +509,8 @@ template <int P>
 struct Wide;
 template <>
 struct Wide<1> {
+  static constexpr int P = 1;            // panels a tile takes
+  static constexpr bool HALVES = true;   // codes widen to two vectors, each its own products
   typedef ivec I;
   typedef vec F;
   static I codes(const uint8_t* a, const uint8_t*) { return _mm256_loadu_si256((const ivec*)a); }
@@ -523,11 +527,12 @@ struct Wide<1> {
   static vec panel(F a, int) { return a; }  // panel t's 8 lanes
 };
 
-// rows m0..m0+MR by panels p0..p0+P of 8 weight rows with int16 codes
-template <int BITS, int MR, int P, bool ONE_GROUP, typename S>
+// rows m0..m0+MR by panels p0..p0+P of 8 weight rows with int16 codes, on
+// W's vectors (Wide<1>, Wide<2> or WideRow below: P of them)
+template <int BITS, int MR, typename W, bool ONE_GROUP, typename S>
 inline void panel_rows_wide(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset,
                             int64_t p0, int64_t K, int64_t groups, float* out, int64_t N) {
-  using W = Wide<P>;
+  constexpr int P = W::P;
   typedef typename W::I I;
   const Operands<BITS, MR, 1, S, true> op(rows, m0, data, scale, offset, p0, K, groups);
   typename W::F acc[MR];
@@ -549,20 +554,31 @@ inline void panel_rows_wide(const Rows& rows, int64_t m0, const uint8_t* data, c
         codes[0] = w;
 #pragma GCC unroll 2
       for (int h = 0; h < (BITS == 4 ? 2 : 1); h++) {
-        const I w_low = W::widen_low(codes[h]), w_high = W::widen_high(codes[h]);
+        if constexpr (W::HALVES) {
+          const I w_low = W::widen_low(codes[h]), w_high = W::widen_high(codes[h]);
 #pragma GCC unroll 8
-        for (int i = 0; i < MR; i++) {
-          const I x = W::four(op.four16(i, b * QUADS + h * QUADS / 2 + q));
-          low[i] = W::dot(low[i], w_low, x);
-          high[i] = W::dot(high[i], w_high, x);
+          for (int i = 0; i < MR; i++) {
+            const I x = W::four(op.four16(i, b * QUADS + h * QUADS / 2 + q));
+            low[i] = W::dot(low[i], w_low, x);
+            high[i] = W::dot(high[i], w_high, x);
+          }
+        } else {  // codes already wide: each vector's products go to low and high in turn, two chains
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; i++) {
+            const I x = W::four(op.four16(i, b * QUADS + h * QUADS / 2 + q));
+            I& sums = (BITS == 4 ? h : q) % 2 ? high[i] : low[i];
+            sums = W::dot(sums, codes[h], x);
+          }
         }
       }
     }
     const int64_t g = b / op.per_group;
     const typename W::F s = ONE_GROUP ? W::fzero() : W::scales(op.scale8(0, g), op.scale8(P - 1, g));
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++)
-      acc[i] = add_block<ONE_GROUP, 1>(acc[i], W::pair_sums(low[i], high[i]), op.step(i, b), W::none(), 0.0f, s);
+    for (int i = 0; i < MR; i++) {
+      const auto sums = W::pair_sums(low[i], high[i]);
+      acc[i] = add_block<ONE_GROUP, 1>(acc[i], sums, op.step(i, b), sums, 0.0f, s);  // one term: the second unused
+    }
   }
   for (int t = 0; t < P; t++) {
     vec result[MR];
@@ -665,6 +681,8 @@ inline void panel_pair_rows(const Rows& rows, int64_t m0, const uint8_t* data, c
 // lane where int8 has 4)
 template <>
 struct Wide<2> {
+  static constexpr int P = 2;
+  static constexpr bool HALVES = true;
   typedef wivec I;
   typedef wvec F;
   static I codes(const uint8_t* a, const uint8_t* b) { return pair_codes(a, b); }
@@ -684,7 +702,43 @@ struct Wide<2> {
   static F scales(const S* a, const S* b) { return pair8(a, b); }
   static vec panel(F a, int t) { return t ? high_half(a) : low_half(a); }
 };
+
+// the int16 products of one row by one panel of 8-bit codes in 512-bit
+// vectors: a vector's 32 codes (4 of each of the panel's 8 weight rows)
+// widen into one vector of words, weight row r's code pairs in lanes 2r and
+// 2r + 1, for one vpdpwssd where Wide<1> takes two unpacks and two 256-bit
+// ones; at a block's end each lane pair is summed and the 8 sums narrowed in
+// order. Still one stream through memory, as every one-row tile is. On an
+// Intel Xeon (AVX-512 VNNI), one row from memory took 0.95 x Wide<1>'s time
+// on the 1B shape and 0.98 x on llama-small's short rows, 1.05 x in cache
+// (bench/ab_kernels.py --dtype 8w --qact int16 --rows 1); an 8w SmolLM2
+// package's batch-1 step 0.96-0.98 x (bench/ab_decode.py, two runs). Over
+// 4-bit codes (nibbles split in words) it took 1.03-1.06 x from memory (a
+// scratch C harness calling the kernel's entry): those keep Wide<1>
+struct WideRow {
+  static constexpr int P = 1;
+  static constexpr bool HALVES = false;
+  typedef wivec I;
+  typedef vec F;
+  static I codes(const uint8_t* a, const uint8_t*) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const ivec*)a)); }
+  static I none() { return _mm512_setzero_si512(); }
+  static I four(int64_t codes) { return _mm512_set1_epi64(codes); }
+  static I dot(I acc, I w, I x) { return _mm512_dpwssd_epi32(acc, w, x); }
+  static ivec pair_sums(I low, I high) {
+    const I sums = _mm512_add_epi32(low, high);
+    return _mm512_cvtepi64_epi32(_mm512_add_epi32(sums, _mm512_shuffle_epi32(sums, _MM_PERM_CDAB)));
+  }
+  static F fzero() { return zero(); }
+  template <typename S>
+  static F scales(const S* a, const S*) { return load8(a); }
+  static vec panel(F a, int) { return a; }
+};
+// the int16 tile of one row by one panel of BITS-bit codes
+template <int BITS>
+using OneRowWide = std::conditional_t<BITS == 8, WideRow, Wide<1>>;
 #else
+template <int BITS>
+using OneRowWide = Wide<1>;
 template <int BITS, int MR, bool ONE_GROUP, int TERMS, typename S>
 inline void panel_pair_rows(const Rows&, int64_t, const uint8_t*, const S*, const S*, int64_t, int64_t, int64_t, float*,
                             int64_t) {}
@@ -703,12 +757,13 @@ void rows_by_panels(int rows, const Rows& r, int64_t m0, const uint8_t* data, co
     int64_t p = p0;
     if constexpr (PAIRS && MR > 1) {
       for (; p + 2 <= p1; p += 2)
-        one_group ? panel_rows_wide<BITS, MR, 2, true>(r, m0, data, scale, offset, p, K, groups, out, N)
-                  : panel_rows_wide<BITS, MR, 2, false>(r, m0, data, scale, offset, p, K, groups, out, N);
+        one_group ? panel_rows_wide<BITS, MR, Wide<2>, true>(r, m0, data, scale, offset, p, K, groups, out, N)
+                  : panel_rows_wide<BITS, MR, Wide<2>, false>(r, m0, data, scale, offset, p, K, groups, out, N);
     }
+    using One = std::conditional_t<MR == 1, OneRowWide<BITS>, Wide<1>>;
     for (; p < p1; p++)
-      one_group ? panel_rows_wide<BITS, MR, 1, true>(r, m0, data, scale, offset, p, K, groups, out, N)
-                : panel_rows_wide<BITS, MR, 1, false>(r, m0, data, scale, offset, p, K, groups, out, N);
+      one_group ? panel_rows_wide<BITS, MR, One, true>(r, m0, data, scale, offset, p, K, groups, out, N)
+                : panel_rows_wide<BITS, MR, One, false>(r, m0, data, scale, offset, p, K, groups, out, N);
     return;
   }
   // one row takes one panel at a time: a single stream through memory. Taking 4 (2 on AVX2) shared the
