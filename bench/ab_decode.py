@@ -2,13 +2,16 @@
 on a machine whose memory rate drifts from one minute to the next.
 
     python bench/ab_decode.py PKG_A PKG_B [--rounds 40] [--steps 16] [--sessions 1] [--context 32]
+    python bench/ab_decode.py PKG PKG --weights mapped,private
 
 Each round runs `--steps` decode steps of `--sessions` sessions on A, then
 on B (the order alternates by round), after a `--context`-token prompt per
 session (so attention reads as many cells as a conversation that long);
 a round's time is its steps' total. Prints the median ms per step of each
 and the median of the per-round ratios B/A (a drift between rounds cancels
-out of a ratio taken within one round).
+out of a ratio taken within one round). `--weights` says how each runtime
+holds its weights (runtime.load's `weights`): the same package mapped from
+its file against copied into huge pages, say.
 """
 
 from __future__ import annotations
@@ -44,8 +47,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--sessions", type=int, default=1)
     parser.add_argument("--context", type=int, default=32, help="prompt tokens per session before the steps")
+    parser.add_argument("--weights", default="mapped,mapped", help="A's and B's: mapped or private")
     args = parser.parse_args()
-    runtimes = {"a": load(str(args.a), trust_native_code=True), "b": load(str(args.b), trust_native_code=True)}
+    weights = dict(zip("ab", args.weights.split(",")))
+    if sorted(weights) != ["a", "b"] or not set(weights.values()) <= {"mapped", "private"}:
+        parser.error("--weights takes two of mapped and private: A's,B's")
+    runtimes = {k: load(str(getattr(args, k)), trust_native_code=True, weights=weights[k]) for k in "ab"}
     for runtime in runtimes.values():
         steps_ms(runtime, args.sessions, 4, args.context)  # warm: methods loaded, pools grown
     times = {"a": [], "b": []}
@@ -57,7 +64,8 @@ def main() -> None:
             times[name].append(took[name])
         ratios.append(took["b"] / took["a"])
     emit({
-        "cpu": cpu_model(), "a": str(args.a), "b": str(args.b), "sessions": args.sessions, "context": args.context,
+        "cpu": cpu_model(), "a": str(args.a), "b": str(args.b), "weights": weights, "sessions": args.sessions,
+        "context": args.context,
         "median_ms_per_step": {k: round(statistics.median(v), 2) for k, v in times.items()},
         "median_ratio_b_over_a": round(statistics.median(ratios), 3),
         "ratio_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],

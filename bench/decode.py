@@ -48,13 +48,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--weights", choices=["mapped", "private"], default="mapped",
+                        help="how the runtime holds the weights (runtime.load's `weights`)")
     args = parser.parse_args()
 
     manifest = json.loads((args.package / "manifest.json").read_text())
     source = manifest["provenance"]["source"]
     model_name = args.model or source.get("builtin") or source.get("gguf") or source["path"]
     hf = load_model(model_name, manifest["metadata"]["dtype"]).model
-    runtime = load(args.package)
+    runtime = load(args.package, weights=args.weights)
     vocab = manifest["metadata"]["get_vocab_size"]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist() for _ in range(8)]

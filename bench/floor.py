@@ -2,7 +2,9 @@
 product comes to them, in one run:
 
 - the streaming-read rate: a `sum` over a 1 GiB fp32 tensor (best and
-  median of several runs; it varies from run to run on shared machines);
+  median of several runs; it varies from run to run on shared machines),
+  on 4 KB pages and on transparent huge pages (`read_huge_pages`: how a
+  runtime loaded with `--weights private` holds its weights);
 - the fp32 GEMM rate of the BLAS at 1 to 512 rows, on a weight that stays
   in cache (GFLOP/s);
 - the rate at which products with 1 to 8 rows read 48 layer-sized fp32
@@ -26,6 +28,7 @@ path.
 from __future__ import annotations
 
 import argparse
+import mmap
 import statistics
 import time
 from pathlib import Path
@@ -34,10 +37,16 @@ import torch
 import torch.nn.functional as F
 
 from common import best_of, cpu_model, emit
+from kvexport.contract.confined_io import advise_huge_pages
 
 
-def read_rate(gib: float = 1.0, runs: int = 7) -> dict[str, float]:
-    t = torch.ones(int(gib * (1 << 30)) // 4)
+def read_rate(gib: float = 1.0, runs: int = 7, huge: bool = False) -> dict[str, float]:
+    if huge:  # anonymous memory advised onto huge pages, as runtime.load(weights="private") copies weights into
+        memory = mmap.mmap(-1, int(gib * (1 << 30)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        advise_huge_pages(memory)
+        t = torch.frombuffer(memory, dtype=torch.float32).fill_(1.0)
+    else:
+        t = torch.ones(int(gib * (1 << 30)) // 4)
     seconds = []
     for _ in range(runs + 1):
         start = time.perf_counter()
@@ -150,6 +159,7 @@ def main() -> None:
         "cpu": cpu_model(),
         "threads": torch.get_num_threads(),
         "read": read,
+        "read_huge_pages": read_rate(huge=True),
         "blas_gemm_gflops_by_rows": gemm,
         "row_kernel_gflops_by_rows": kernel,
         "weight_read_gbps_by_rows": weight_read_rates(),

@@ -316,6 +316,14 @@ def digest(package: Path) -> None:
 
 
 # ---------------------------------------------------------------- generate
+# how generate and serve hold the package's weights (runtime.load's `weights`)
+weights_option = click.option(
+    "--weights", type=click.Choice(["mapped", "private"]), default="mapped", show_default=True,
+    help="Hold the weights as a mapping of the package's file (shared with other processes through the page cache; "
+         "a model larger than memory pages in) or copied into this process's memory on transparent huge pages "
+         "(faster decoding where TLB misses cost; one copy per process; refused where they do not fit).")
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(x) for x in text.split(",") if x.strip()]
@@ -346,6 +354,7 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--max-draft", type=int, default=8, show_default=True, help="Most tokens a session drafts per step (it adapts to how many are kept).")
 @click.option("--json-schema", "json_schema", type=click.Path(path_type=Path), help="A JSON schema file: every output is JSON that validates against it (the tokens it forbids are masked before each draw).")
 @click.option("--regex", help="A regular expression every output matches in full.")
+@weights_option
 def generate(
     package: Path,
     prompts: tuple[str, ...],
@@ -366,6 +375,7 @@ def generate(
     max_draft: int,
     json_schema: Path | None,
     regex: str | None,
+    weights: str,
 ) -> None:
     """Generate from PACKAGE for one or more prompts, batched as concurrent sessions."""
     from kvexport.runtime import SamplingConfig, load
@@ -377,10 +387,10 @@ def generate(
         raise KvexportError("nothing to generate for: pass --prompt TEXT or --prompt-ids 1,2,3")
     mode = resolve_mode(speculative, draft_package is not None, max_draft)
     options = {"max_cells": max_cells} if max_cells is not None else {}
-    runtime = load(package, trust_native_code=trust_native_code, expect_digest=expect_digest, **options)
+    runtime = load(package, trust_native_code=trust_native_code, expect_digest=expect_digest, weights=weights, **options)
     speculation = None
     if mode != "off":
-        draft = load(draft_package, trust_native_code=trust_native_code) if draft_package is not None else None
+        draft = load(draft_package, trust_native_code=trust_native_code, weights=weights) if draft_package is not None else None
         speculation = Speculation(mode, draft=draft, max_draft=max_draft)
     text = runtime.package.tokenizer() if prompts or runtime.package.manifest.get("tokenizer") else None
     grammar = _grammar(runtime, text, json_schema, regex)
@@ -451,6 +461,7 @@ def _grammar(runtime, text, json_schema: Path | None, regex: str | None):
 @click.option("--speculative", type=click.Choice(["off", "lookup", "draft"]), help="Speculative decoding: each decoding session drafts tokens by prompt lookup or with --draft's package, checked in the same step; drafts only fill the step up to its widest static method, so a full step decodes plainly. Greedy tokens are unchanged. Default: draft with --draft, else off.")
 @click.option("--draft", type=click.Path(path_type=Path), help="A draft package sharing the tokenizer (a smaller model, or the same one quantized).")
 @click.option("--max-draft", type=int, default=8, show_default=True, help="Most tokens a session drafts per step (it adapts to how many are kept).")
+@weights_option
 def serve(package: Path, host: str, port: int, **options) -> None:
     """Serve PACKAGE over an OpenAI-compatible HTTP API (POST
     /v1/chat/completions and /v1/completions, GET /v1/models, /health,

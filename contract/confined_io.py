@@ -154,8 +154,11 @@ def others_can_write(st: os.stat_result) -> str | None:
 def read_private(fd: int, size: int) -> mmap.mmap:
     """The descriptor's bytes copied into anonymous memory, which no write
     to the file can change afterwards (a private file mapping shows the
-    file's later writes in every page not yet copied)."""
+    file's later writes in every page not yet copied), on transparent huge
+    pages where the kernel offers them (asked for before the copy touches a
+    page: a page is huge or not when it is first written)."""
     memory = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    advise_huge_pages(memory)
     view = memoryview(memory)
     try:
         done = 0
@@ -170,6 +173,18 @@ def read_private(fd: int, size: int) -> mmap.mmap:
         raise
     view.release()
     return memory
+
+
+def advise_huge_pages(memory: mmap.mmap) -> None:
+    """Asks the kernel to back `memory` with transparent huge pages (2 MB on
+    x86): a stream through the weights then misses the TLB once in 2 MB
+    instead of once in 4 KB. Where the kernel or Python cannot (no THP,
+    another OS), the memory works the same on small pages."""
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            memory.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
 
 
 def available_memory() -> int | None:

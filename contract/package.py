@@ -473,11 +473,12 @@ class PackageReader:
         self.file(rel, f"methods.{method}.program")
         return inflate_program(self.held(rel), f"methods.{method}.program ({rel})")
 
-    def map_file(self, rel: str, what: str, verify: bool = True) -> mmap.mmap:
+    def map_file(self, rel: str, what: str, verify: bool = True, private: bool = False) -> mmap.mmap:
         """A private mapping of `rel`, hashed from the mapping itself (not
-        from the path) when `verify`. A file that someone else could write
-        in place (after its hash, into pages not yet read) is copied into
-        anonymous memory instead, where it fits."""
+        from the path) when `verify`. With `private`, and for a file that
+        someone else could write in place (after its hash, into pages not yet
+        read), the file is copied into anonymous memory instead (on huge
+        pages where the kernel has them), where it fits."""
         fd = self.open_file(rel, what)
         try:
             st = os.fstat(fd)
@@ -485,17 +486,20 @@ class PackageReader:
             if size == 0:
                 raise PackageError(f"{self.path}: {what}: {rel} is empty")
             writer = others_can_write(st)
-            if writer is None:
+            if writer is None and not private:
                 mapping = map_fd(fd, size)
             else:
                 free = available_memory()
                 if free is not None and size > free:
-                    raise PackageError(
-                        f"{self.path}: {what}: {rel} can be written by others ({writer}), who could change it after its "
-                        f"checksum is taken, and its {size / 2**30:.1f} GiB do not fit in the {free / 2**30:.1f} GiB "
-                        f"of memory available to copy it: make it writable by you alone (chmod go-w), or copy the package"
-                    )
-                log.info("%s: %s can be written by others (%s): reading it into private memory", self.path, rel, writer)
+                    why = (f"can be written by others ({writer}), who could change it after its checksum is taken"
+                           if writer is not None else "was asked for in private memory")
+                    fix = ("make it writable by you alone (chmod go-w), or copy the package" if writer is not None
+                           else "map it from the file instead (--weights mapped)")
+                    raise PackageError(f"{self.path}: {what}: {rel} {why}, and its {size / 2**30:.1f} GiB do not fit in "
+                                       f"the {free / 2**30:.1f} GiB of memory available to copy it: {fix}")
+                if writer is not None:
+                    log.info("%s: %s can be written by others (%s): reading it into private memory", self.path, rel,
+                             writer)
                 mapping = read_private(fd, size)
         except OSError as e:
             raise PackageError(f"{self.path}: {what}: cannot map {rel} ({e.strerror or e})") from None

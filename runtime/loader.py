@@ -32,6 +32,9 @@ from kvexport.contract.package import PackageReader
 
 log = logging.getLogger(__name__)
 
+# how a loaded package holds its weights (load's `weights`)
+WEIGHTS_MEMORY = ("mapped", "private")
+
 
 class IOManager:
     """Drives a package's programs according to the contract it declares."""
@@ -80,7 +83,10 @@ def select_io_manager(manifest: dict) -> type[IOManager]:
 class LoadedPackage:
     """A package's manifest, its one copy of the weights, and its methods."""
 
-    def __init__(self, reader: PackageReader, verify: bool = True, trust_native_code: bool = False):
+    def __init__(self, reader: PackageReader, verify: bool = True, trust_native_code: bool = False,
+                 weights: str = "mapped"):
+        if weights not in WEIGHTS_MEMORY:
+            raise ValueError(f"weights={weights!r}: one of {', '.join(WEIGHTS_MEMORY)}")
         self.reader = reader
         self.manifest = reader.manifest
         self.backend = self.manifest.get("backend", {"id": mf.DEFAULT_BACKEND})
@@ -99,19 +105,20 @@ class LoadedPackage:
             mf.require(reader.verify_checksums(skip=(reader.weights_file,)), f"{reader.path}: the package is damaged")
         reader.hold_programs()  # every method is built from these bytes, whenever it is first used
         start = time.perf_counter()
-        self.tensors: dict[str, torch.Tensor] = self._map_weights(reader.weights_file, verify)
+        self.tensors: dict[str, torch.Tensor] = self._map_weights(reader.weights_file, verify, weights == "private")
         log.debug("loaded %d weight tensors in %.2f s", len(self.tensors), time.perf_counter() - start)
         self.aliases: dict[str, str] = self.manifest.get("weights", {}).get("aliases", {})
         self.state: dict[str, torch.Tensor] = {}  # runtime-owned tensors a program binds (ingraph_kv's cache)
         self._parameters: dict[str, torch.nn.Parameter] = {}
         self._methods: dict[str, Callable] = {}
 
-    def _map_weights(self, rel: str, verify: bool) -> dict[str, torch.Tensor]:
-        """The weights as views of one private mapping of the file, hashed
-        from that mapping: no later rename in the folder changes them.
-        safetensors' header, parsed here: no pickle; these tensors are the
-        only copy every method binds."""
-        mapping = self.reader.map_file(rel, "weights.file", verify)
+    def _map_weights(self, rel: str, verify: bool, private: bool) -> dict[str, torch.Tensor]:
+        """The weights as views of one private mapping of the file (or, with
+        `private`, of their copy in this process's memory), hashed from that
+        mapping: no later rename in the folder changes them. safetensors'
+        header, parsed here: no pickle; these tensors are the only copy every
+        method binds."""
+        mapping = self.reader.map_file(rel, "weights.file", verify, private)
         try:
             tensors = safetensors_io.map_tensors(mapping, Path(rel))
         except ValueError as e:
@@ -346,10 +353,18 @@ def check_target(target: dict) -> None:
 
 
 def load(
-    path: str | Path, *, verify: bool = True, trust_native_code: bool = False, expect_digest: str | None = None, **options: Any
+    path: str | Path, *, verify: bool = True, trust_native_code: bool = False, expect_digest: str | None = None,
+    weights: str = "mapped", **options: Any
 ) -> IOManager:
     """Opens a package and returns the I/O manager its contract selects.
     Options go to the manager (for offgraph_kv: max_cells, allocator).
+
+    `weights`: "mapped" (a private mapping of the file: processes that load
+    the package share one copy in the page cache, and a model larger than
+    memory pages in and out) or "private" (copied into this process's
+    memory on transparent huge pages where the kernel has them: faster
+    streaming of the weights, at the price of a copy per process; refused
+    where the weights do not fit in the memory available).
 
     A package with native code (aoti) loads only when trusted: its manifest
     digest is in the trust store (`kvexport trust`, or exported here), or
@@ -360,4 +375,4 @@ def load(
     manager_cls = select_io_manager(reader.manifest)
     mf.require(mf.check_manifest(reader.manifest), f"{reader.path}: the package breaks its contract")
     trusted = trust_native_code or expect_digest is not None  # a pin that matched vouches for the code
-    return manager_cls(LoadedPackage(reader, verify=verify, trust_native_code=trusted), **options)
+    return manager_cls(LoadedPackage(reader, verify=verify, trust_native_code=trusted, weights=weights), **options)

@@ -124,6 +124,53 @@ def test_weights_are_views_of_one_private_mapping(tmp_path, tiny_package):
     assert (pkg / "weights.safetensors").read_bytes() == before
 
 
+def mapping_flags(address: int) -> set[str]:
+    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(a, 16) for a in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "VmFlags:":
+                return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_private_weights_are_a_copy_on_huge_pages(tmp_path, tiny_package):
+    """`weights="private"` copies the weights into this process's memory,
+    advised onto transparent huge pages (VmFlags "hg") where the kernel has
+    them: the same tokens as the mapping, and a write into the file in place
+    after the load reaches the mapping, never the copy."""
+    pkg = copy_of(tmp_path, tiny_package("tiny-llama"))
+    weights = pkg / "weights.safetensors"
+    mapped, private = load(pkg), load(pkg, weights="private")
+    assert tokens(private) == tokens(mapped)
+    address = next(iter(private.package.tensors.values())).data_ptr()
+    if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        assert "hg" in mapping_flags(address)
+    assert "hg" not in mapping_flags(next(iter(mapped.package.tensors.values())).data_ptr())
+    before = {k: t.clone() for k, t in private.package.tensors.items()}
+    original = weights.read_bytes()
+    header = 8 + int.from_bytes(original[:8], "little")
+    with open(weights, "r+b") as f:  # in place: the same inode, the same pages
+        f.seek(header)
+        f.write(bytes(len(original) - header))
+    assert all(torch.equal(t, before[k]) for k, t in private.package.tensors.items())
+    assert any(not torch.equal(t, before[k]) for k, t in mapped.package.tensors.items()), "the write reached the file"
+
+
+def test_private_weights_that_do_not_fit_are_refused(tmp_path, tiny_package, monkeypatch):
+    pkg = copy_of(tmp_path, tiny_package("tiny-llama"))
+    monkeypatch.setattr(package_module, "available_memory", lambda: 1000)
+    with pytest.raises(PackageError, match=r"asked for in private memory.*do not fit.*--weights mapped"):
+        load(pkg, weights="private")
+    load(pkg)  # mapped: no copy, no memory asked for
+    with pytest.raises(ValueError, match="mapped, private"):
+        load(pkg, weights="huge")
+
+
 @pytest.mark.parametrize("mode", [0o644, 0o664, "another owner"])
 def test_weights_others_can_write_are_copied_while_hashed(tmp_path, tiny_package, mode):
     """A private mapping shows the file's later writes in every page not yet

@@ -53,6 +53,15 @@ def test_generate_json_matches_the_runtime(cli_package):
     assert [o["generated_ids"] for o in outputs] == generate(load(cli_package), prompts, 10)
 
 
+def test_generate_with_private_weights_gives_the_mapped_tokens(cli_package):
+    base = ["generate", str(cli_package), "--prompt-ids", "5,6,7", "--max-new-tokens", "8", "--json"]
+    private = run(*base, "--weights", "private")
+    assert private.exit_code == 0, private.output
+    assert json.loads(private.stdout) == json.loads(run(*base).stdout)
+    refused = run(*base, "--weights", "huge")
+    assert refused.exit_code == 2 and "'mapped'" in refused.output
+
+
 def test_generate_sampling_flags(cli_package):
     base = ["generate", str(cli_package), "--prompt-ids", "5,6,7", "--max-new-tokens", "12", "--json"]
     sampled = json.loads(run(*base, "--temperature", "1.5", "--top-k", "50", "--seed", "3").stdout)

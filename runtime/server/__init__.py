@@ -41,6 +41,7 @@ def serve(
     speculative: str | None = None,
     draft: Path | str | None = None,
     max_draft: int = 8,
+    weights: str = "mapped",
     on_listening: Callable[[str], None] | None = None,
 ) -> None:
     """Serves `package` until SIGTERM or SIGINT. The socket is bound first
@@ -79,7 +80,7 @@ def serve(
         start_loading(state, stop, package=package, trust_native_code=trust_native_code, expect_digest=expect_digest,
                       max_cells=max_cells, verify=verify, engine_options=engine_options,
                       state_dir=Path(state_dir) if state_dir is not None else None, speculative=speculative,
-                      draft=draft, max_draft=max_draft)
+                      draft=draft, max_draft=max_draft, weights=weights)
         if on_listening is not None:
             on_listening(url)
 

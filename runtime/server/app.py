@@ -373,14 +373,14 @@ class _Reply:
 # ------------------------------------------------------------------ loading
 def load_engine(state: ServerState, package, *, trust_native_code: bool, expect_digest: str | None, max_cells: int | None,
                 verify: bool, engine_options: dict, state_dir=None, speculative: str = "off", draft=None,
-                max_draft: int = 8) -> None:
+                max_draft: int = 8, weights: str = "mapped") -> None:
     """Loads and verifies the package, then starts the engine (in a thread of
     its own while the server already answers /health with 503)."""
     from kvexport.runtime import load
     from kvexport.runtime.verify import check_reference
 
     options = {"max_cells": max_cells} if max_cells is not None else {}
-    runtime = load(package, trust_native_code=trust_native_code, expect_digest=expect_digest, **options)
+    runtime = load(package, trust_native_code=trust_native_code, expect_digest=expect_digest, weights=weights, **options)
     if not runtime.batches_sessions:
         name = runtime.package.manifest["contract"]["name"]
         raise KvexportError(f"{package}: a {name} package runs one sequence at a time; kvexport serve batches sessions "
@@ -394,7 +394,7 @@ def load_engine(state: ServerState, package, *, trust_native_code: bool, expect_
     if speculative != "off":
         from kvexport.runtime.speculative import Speculation
 
-        draft_runtime = load(draft, trust_native_code=trust_native_code) if draft is not None else None
+        draft_runtime = load(draft, trust_native_code=trust_native_code, weights=weights) if draft is not None else None
         speculation = Speculation(speculative, draft=draft_runtime, max_draft=max_draft)  # the Engine checks it
         stats = speculation.stats
         state.metrics.watch("kvexport_speculative_drafted_tokens", "Tokens drafted (prompt lookup or the draft package)",
