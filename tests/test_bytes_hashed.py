@@ -124,6 +124,16 @@ def test_weights_are_views_of_one_private_mapping(tmp_path, tiny_package):
     assert (pkg / "weights.safetensors").read_bytes() == before
 
 
+def zero_in_place(weights) -> None:
+    """Writes zeros over every weight of the file, in place: the same inode,
+    the same pages (what someone who can write the file does after a load)."""
+    original = weights.read_bytes()
+    header = 8 + int.from_bytes(original[:8], "little")
+    with open(weights, "r+b") as f:
+        f.seek(header)
+        f.write(bytes(len(original) - header))
+
+
 def mapping_flags(address: int) -> set[str]:
     """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
     inside = False
@@ -152,11 +162,7 @@ def test_private_weights_are_a_copy_on_huge_pages(tmp_path, tiny_package):
         assert "hg" in mapping_flags(address)
     assert "hg" not in mapping_flags(next(iter(mapped.package.tensors.values())).data_ptr())
     before = {k: t.clone() for k, t in private.package.tensors.items()}
-    original = weights.read_bytes()
-    header = 8 + int.from_bytes(original[:8], "little")
-    with open(weights, "r+b") as f:  # in place: the same inode, the same pages
-        f.seek(header)
-        f.write(bytes(len(original) - header))
+    zero_in_place(weights)
     assert all(torch.equal(t, before[k]) for k, t in private.package.tensors.items())
     assert any(not torch.equal(t, before[k]) for k, t in mapped.package.tensors.items()), "the write reached the file"
 
@@ -189,11 +195,7 @@ def test_weights_others_can_write_are_copied_while_hashed(tmp_path, tiny_package
         weights.chmod(mode)
     runtime = load(pkg)
     before = {k: t.clone() for k, t in runtime.package.tensors.items()}
-    original = weights.read_bytes()
-    header = 8 + int.from_bytes(original[:8], "little")
-    with open(weights, "r+b") as f:  # in place: the same inode, the same pages
-        f.seek(header)
-        f.write(bytes(len(original) - header))
+    zero_in_place(weights)
     changed = [k for k, t in runtime.package.tensors.items() if not torch.equal(t, before[k])]
     if mode != 0o644:
         assert changed == []
