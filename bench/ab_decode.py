@@ -49,8 +49,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32, help="prompt tokens per session before the steps")
     parser.add_argument("--weights", default="mapped,mapped", help="A's and B's: mapped or private")
     args = parser.parse_args()
-    weights = dict(zip("ab", args.weights.split(",")))
-    if sorted(weights) != ["a", "b"] or not set(weights.values()) <= {"mapped", "private"}:
+    given = args.weights.split(",")
+    weights = dict(zip("ab", given))
+    if len(given) != 2 or not set(given) <= {"mapped", "private"}:
         parser.error("--weights takes two of mapped and private: A's,B's")
     runtimes = {k: load(str(getattr(args, k)), trust_native_code=True, weights=weights[k]) for k in "ab"}
     for runtime in runtimes.values():

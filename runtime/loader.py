@@ -36,6 +36,11 @@ log = logging.getLogger(__name__)
 WEIGHTS_MEMORY = ("mapped", "private")
 
 
+def check_weights_memory(weights: str) -> None:
+    if weights not in WEIGHTS_MEMORY:
+        raise ValueError(f"weights={weights!r}: one of {', '.join(WEIGHTS_MEMORY)}")
+
+
 class IOManager:
     """Drives a package's programs according to the contract it declares."""
 
@@ -85,8 +90,7 @@ class LoadedPackage:
 
     def __init__(self, reader: PackageReader, verify: bool = True, trust_native_code: bool = False,
                  weights: str = "mapped"):
-        if weights not in WEIGHTS_MEMORY:
-            raise ValueError(f"weights={weights!r}: one of {', '.join(WEIGHTS_MEMORY)}")
+        check_weights_memory(weights)
         self.reader = reader
         self.manifest = reader.manifest
         self.backend = self.manifest.get("backend", {"id": mf.DEFAULT_BACKEND})
@@ -370,6 +374,7 @@ def load(
     digest is in the trust store (`kvexport trust`, or exported here), or
     `trust_native_code`, or it equals `expect_digest`. A package whose digest
     differs from `expect_digest` is refused, compiled or not."""
+    check_weights_memory(weights)
     reader = PackageReader(path)
     trust.check_expected_digest(reader, expect_digest)
     manager_cls = select_io_manager(reader.manifest)

@@ -97,13 +97,14 @@ def test_a_program_swapped_after_load_never_runs(tmp_path, tiny_package):
     assert tokens(runtime) == expected
 
 
-def test_weights_swapped_after_hashing_never_load(tmp_path, tiny_package, monkeypatch):
+@pytest.mark.parametrize("memory", ["mapped", "private"])
+def test_weights_swapped_after_hashing_never_load(tmp_path, tiny_package, monkeypatch, memory):
     pkg = copy_of(tmp_path, tiny_package("tiny-llama"))
     weights = pkg / "weights.safetensors"
     original = weights.read_bytes()
     header = 8 + int.from_bytes(original[:8], "little")
     swap_after_hashing(monkeypatch, weights, original[:header] + bytes(len(original) - header))  # every weight 0
-    runtime = load(pkg)
+    runtime = load(pkg, weights=memory)
     assert (weights.read_bytes() != original), "the swap happened"
     reference = load(tiny_package("tiny-llama"))
     assert all(torch.equal(t, reference.package.tensors[k]) for k, t in runtime.package.tensors.items())
@@ -155,6 +156,7 @@ def test_private_weights_are_a_copy_on_huge_pages(tmp_path, tiny_package):
     after the load reaches the mapping, never the copy."""
     pkg = copy_of(tmp_path, tiny_package("tiny-llama"))
     weights = pkg / "weights.safetensors"
+    weights.chmod(0o644)  # only this user writes it, whatever the umask: mapped, not copied
     mapped, private = load(pkg), load(pkg, weights="private")
     assert tokens(private) == tokens(mapped)
     address = next(iter(private.package.tensors.values())).data_ptr()
@@ -169,10 +171,15 @@ def test_private_weights_are_a_copy_on_huge_pages(tmp_path, tiny_package):
 
 def test_private_weights_that_do_not_fit_are_refused(tmp_path, tiny_package, monkeypatch):
     pkg = copy_of(tmp_path, tiny_package("tiny-llama"))
+    weights = pkg / "weights.safetensors"
+    weights.chmod(0o644)
     monkeypatch.setattr(package_module, "available_memory", lambda: 1000)
-    with pytest.raises(PackageError, match=r"asked for in private memory.*do not fit.*--weights mapped"):
+    with pytest.raises(PackageError, match=r"asked for in private memory.*do not fit.*: map it .*--weights mapped\)$"):
         load(pkg, weights="private")
     load(pkg)  # mapped: no copy, no memory asked for
+    weights.chmod(0o664)  # others can write it too: both fixes named
+    with pytest.raises(PackageError, match=r"can be written by others.*--weights mapped\) and make it writable by you"):
+        load(pkg, weights="private")
     with pytest.raises(ValueError, match="mapped, private"):
         load(pkg, weights="huge")
 

@@ -53,13 +53,22 @@ def test_generate_json_matches_the_runtime(cli_package):
     assert [o["generated_ids"] for o in outputs] == generate(load(cli_package), prompts, 10)
 
 
-def test_generate_with_private_weights_gives_the_mapped_tokens(cli_package):
+def test_generate_with_private_weights_gives_the_mapped_tokens(cli_package, monkeypatch):
+    import kvexport.runtime
+
     base = ["generate", str(cli_package), "--prompt-ids", "5,6,7", "--max-new-tokens", "8", "--json"]
-    private = run(*base, "--weights", "private")
+    loaded = []
+    real_load = kvexport.runtime.load
+    monkeypatch.setattr(kvexport.runtime, "load", lambda *a, **k: loaded.append(k["weights"]) or real_load(*a, **k))
+    private = run(*base, "--weights", "private", "--draft", str(cli_package))
     assert private.exit_code == 0, private.output
-    assert json.loads(private.stdout) == json.loads(run(*base).stdout)
+    assert loaded == ["private", "private"], "the package and its draft"
+    assert json.loads(private.stdout)["outputs"] == json.loads(run(*base).stdout)["outputs"]  # greedy: the draft changes none
     refused = run(*base, "--weights", "huge")
     assert refused.exit_code == 2 and "'mapped'" in refused.output
+    monkeypatch.setattr("kvexport.contract.package.available_memory", lambda: 1000)
+    too_large = run(*base, "--weights", "private")
+    assert too_large.exit_code == 1 and "--weights mapped" in too_large.output and "Traceback" not in too_large.output
 
 
 def test_generate_sampling_flags(cli_package):

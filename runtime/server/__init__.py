@@ -49,6 +49,7 @@ def serve(
     loads and verifies in the background while /health answers 503."""
     import uvicorn
 
+    from kvexport.runtime.loader import WEIGHTS_MEMORY
     from kvexport.runtime.server.app import ServerState, create_app, start_loading
     from kvexport.runtime.server.engine import Engine
     from kvexport.runtime.speculative import resolve_mode
@@ -57,6 +58,8 @@ def serve(
         raise KvexportError(f"--grace-seconds must be >= 0, got {grace_seconds}")
     if max_body_bytes < 1024:
         raise KvexportError(f"--max-body-bytes must be at least 1024, got {max_body_bytes}")
+    if weights not in WEIGHTS_MEMORY:
+        raise KvexportError(f"--weights must be one of {', '.join(WEIGHTS_MEMORY)}, got {weights!r}")
     engine_options = dict(max_sessions=max_sessions, max_queue=max_queue, max_step_tokens=max_step_tokens,
                           prefix_cache_cells=prefix_cache_cells)
     Engine.check_options(**engine_options)

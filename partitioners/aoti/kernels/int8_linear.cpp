@@ -486,8 +486,9 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
 // each 128-bit half, into rows 0, 1, 4, 5 and rows 2, 3, 6, 7; each takes a
 // row's 4 codes broadcast as 8 bytes, and the two halves' lanes (two code
 // pairs of each weight row) sum with one hadd at the block's end, which
-// leaves the 8 rows in order. A block's sums stay within int32: 32 products
-// of at most 255 x 32767.
+// leaves the 8 rows in order (Wide<1>; Wide<2> and WideRow below say how
+// theirs go). A block's sums stay within int32: 32 products of at most 255 x
+// 32767.
 
 // acc + each int32 lane's two products of int16 pairs, exact
 inline ivec dot16(ivec acc, ivec w, ivec x) {
@@ -540,7 +541,9 @@ inline void panel_rows_wide(const Rows& rows, int64_t m0, const uint8_t* data, c
   for (int i = 0; i < MR; i++) acc[i] = W::fzero();
   for (int64_t b = 0; b < op.blocks; b++) {
     op.template fetch_ahead<P>(b);
-    I low[MR], high[MR];  // rows 0, 1, 4, 5 and rows 2, 3, 6, 7 of each panel: two lanes a weight row
+    // HALVES: rows 0, 1, 4, 5 and rows 2, 3, 6, 7 of each panel, two lanes a weight row; WideRow: every row, the
+    // even and the odd vectors of codes
+    I low[MR], high[MR];
 #pragma GCC unroll 8
     for (int i = 0; i < MR; i++) low[i] = high[i] = W::none();
 #pragma GCC unroll 8
@@ -562,11 +565,12 @@ inline void panel_rows_wide(const Rows& rows, int64_t m0, const uint8_t* data, c
             low[i] = W::dot(low[i], w_low, x);
             high[i] = W::dot(high[i], w_high, x);
           }
-        } else {  // codes already wide: each vector's products go to low and high in turn, two chains
+        } else {  // codes already wide (WideRow, 8-bit codes): each vector's products go to low and high in turn
+          static_assert(BITS == 8, "WideRow takes 8-bit codes");
 #pragma GCC unroll 8
           for (int i = 0; i < MR; i++) {
-            const I x = W::four(op.four16(i, b * QUADS + h * QUADS / 2 + q));
-            I& sums = (BITS == 4 ? h : q) % 2 ? high[i] : low[i];
+            const I x = W::four(op.four16(i, b * QUADS + q));
+            I& sums = q % 2 ? high[i] : low[i];
             sums = W::dot(sums, codes[h], x);
           }
         }
@@ -705,16 +709,17 @@ struct Wide<2> {
 
 // the int16 products of one row by one panel of 8-bit codes in 512-bit
 // vectors: a vector's 32 codes (4 of each of the panel's 8 weight rows)
-// widen into one vector of words, weight row r's code pairs in lanes 2r and
-// 2r + 1, for one vpdpwssd where Wide<1> takes two unpacks and two 256-bit
-// ones; at a block's end each lane pair is summed and the 8 sums narrowed in
-// order. Still one stream through memory, as every one-row tile is. On an
-// Intel Xeon (AVX-512 VNNI), one row from memory took 0.95 x Wide<1>'s time
-// on the 1B shape and 0.98 x on llama-small's short rows, 1.05 x in cache
-// (bench/ab_kernels.py --dtype 8w --qact int16 --rows 1); an 8w SmolLM2
-// package's batch-1 step 0.96-0.98 x (bench/ab_decode.py, two runs). Over
-// 4-bit codes (nibbles split in words) it took 1.03-1.06 x from memory (a
-// scratch C harness calling the kernel's entry): those keep Wide<1>
+// widen into one vector of words (one vpmovzxbw), weight row r's code pairs
+// in lanes 2r and 2r + 1, for one vpdpwssd where Wide<1> takes two unpacks
+// and two 256-bit ones; at a block's end each lane pair is summed and the 8
+// sums narrowed in order. Still one stream through memory, as every one-row
+// tile is. On an Intel Xeon (AVX-512 VNNI), one row from memory took 0.95 x
+// Wide<1>'s time on the 1B shape and 0.98 x on llama-small's short rows,
+// 1.05 x in cache (bench/ab_kernels.py --dtype 8w --qact int16 --rows 1); an
+// 8w SmolLM2 package's batch-1 step 0.96-0.98 x (bench/ab_decode.py, two
+// runs). Over 4-bit codes (nibbles split in words) it took 1.03-1.06 x from
+// memory (a scratch C harness calling the kernel's entry): those keep
+// Wide<1>
 struct WideRow {
   static constexpr int P = 1;
   static constexpr bool HALVES = false;
