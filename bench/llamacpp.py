@@ -32,7 +32,9 @@ avx512` for AVX-512 with VNNI and BF16 but no AMX (a VM may list AMX that it
 refuses: a -march=native llama-bench died with SIGILL on Q8_0). `--omp-passive` sets
 OMP_WAIT_POLICY=passive, which keeps its threads from spinning on a shared
 machine (and costs it speed on a quiet one). Each package is
-measured with bench/decode.py and bench/prefill.py in the same run.
+measured with bench/decode.py and bench/prefill.py in the same run, its
+weights held as `--weights` says (mapped, the runtime's default, or
+private: copied onto huge pages).
 
 Then, with `--turns N` (default 6), each package's decode is measured again
 beside llama.cpp on the GGUF of its precision (fp32: F32, bf16: BF16, 8w:
@@ -226,12 +228,13 @@ def batched_generation(binaries: Path, gguf: Path, threads: int, prompt: int, to
     return [json.loads(line) for line in lines.splitlines() if line.startswith("{")][-1]["speed_tg"]
 
 
-def ours(package: Path, model: str | None = None) -> dict:
+def ours(package: Path, model: str | None = None, weights: str = "mapped") -> dict:
     """bench/decode.py and bench/prefill.py on `package`, HF on `model` (a
     manifest records a local source by its folder's name only)."""
     def bench(script: str) -> dict:
         hf = ["--model", model] if model else []
-        return json.loads(run([sys.executable, str(HERE / script), "--package", str(package), *hf], cwd=HERE))
+        return json.loads(run([sys.executable, str(HERE / script), "--package", str(package), *hf, "--weights",
+                               weights], cwd=HERE))
 
     decode, prefill = bench("decode.py"), bench("prefill.py")
     return {"decode_batch1": decode["batch1"]["package_tokens_per_s"],
@@ -246,7 +249,7 @@ def ours(package: Path, model: str | None = None) -> dict:
 TURNS_GGUF = {"fp32": "F32", "bf16": "BF16", "8w": "Q8_0", "4w": "Q4_0", "gguf": "GGUF"}
 
 
-def turns(package: Path, gguf: Path, isa: str, rounds: int, threads: int) -> dict:
+def turns(package: Path, gguf: Path, isa: str, rounds: int, threads: int, weights: str = "mapped") -> dict:
     """bench/paired_decode.py's medians for `package` beside `gguf`, at batch
     1 and over 8 sessions: each tool's median tokens/s, the median of the
     rounds' ratios, and the read rates the rounds began at."""
@@ -254,7 +257,7 @@ def turns(package: Path, gguf: Path, isa: str, rounds: int, threads: int) -> dic
     for sessions, key in ((1, "batch1"), (8, "8_sequences")):
         paired = json.loads(run([sys.executable, str(HERE / "paired_decode.py"), "--package", str(package), "--gguf",
                                  str(gguf), "--isa", isa, "--rounds", str(rounds), "--sessions", str(sessions),
-                                 "--threads", str(threads)], cwd=HERE))
+                                 "--threads", str(threads), "--weights", weights], cwd=HERE))
         reads = [r["read_gbps"] for r in paired["rounds"]]
         out[key] = {**paired["median_tokens_per_s"], "ratio": paired["median_ratio_of_rounds"],
                     "read_gbps": [min(reads), max(reads)]}
@@ -283,13 +286,15 @@ def main() -> None:
                              "table on an AVX-512 one; avx512: both in AVX-512 with VNNI and BF16, no AMX")
     parser.add_argument("--omp-passive", action="store_true",
                         help="OMP_WAIT_POLICY=passive for llama.cpp: on a shared machine its spinning threads collapse")
+    parser.add_argument("--weights", choices=["mapped", "private"], default="mapped",
+                        help="how kvexport's runtime holds each package's weights (runtime.load's `weights`)")
     args = parser.parse_args()
     os.environ.update(ISA_ENV[args.isa])  # every export and bench this script starts inherits it
     root = cache_dir() / f"llama.cpp-{VERSION}"
     binaries = build(root, args.isa)
     model = str(shape_directory(root, args.shape)) if args.shape else args.model
     result = {"cpu": cpu_model(), "isa": args.isa, "env": ISA_ENV[args.isa], "threads": args.threads, "rounds": args.rounds,
-              "model": args.shape or model, "llama.cpp": {}}
+              "weights": args.weights, "model": args.shape or model, "llama.cpp": {}}
     ggufs = models(build(root), root, model)
     for label in filter(None, args.export.split(",")):
         if label not in EXPORTS or (label == "gguf" and "GGUF" not in ggufs):
@@ -302,7 +307,7 @@ def main() -> None:
         for item in args.package:
             label, _, path = item.partition("=")
             try:
-                keep_best(result.setdefault(label, {}), ours(Path(path), model if args.shape else None))
+                keep_best(result.setdefault(label, {}), ours(Path(path), model if args.shape else None, args.weights))
             except subprocess.CalledProcessError as e:  # one package failing leaves the others' figures
                 result.setdefault(label, {})["error"] = f"{Path(e.cmd[1]).name} exited with {e.returncode} (its stderr is above)"
     for item in args.package if args.turns else []:
@@ -312,7 +317,7 @@ def main() -> None:
             print(f"no turns for {label}: its precision is none of {', '.join(TURNS_GGUF)}", file=sys.stderr)
             continue
         try:
-            result.setdefault(label, {})["turns"] = turns(Path(path), gguf, args.isa, args.turns, args.threads)
+            result.setdefault(label, {})["turns"] = turns(Path(path), gguf, args.isa, args.turns, args.threads, args.weights)
         except subprocess.CalledProcessError as e:
             result.setdefault(label, {})["turns_error"] = f"paired_decode.py exited with {e.returncode} (its stderr is above)"
     emit(result)

@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--sessions", type=int, default=1, help="sessions decoded together (tokens/s aggregated)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--weights", choices=["mapped", "private"], default="mapped",
+                        help="how the runtime holds the weights (runtime.load's `weights`)")
     args = parser.parse_args()
     if args.isa != "native":
         # before torch picks its kernels: re-run this script with the ISA's environment
@@ -75,7 +77,7 @@ def main() -> None:
     from kvexport.runtime import generate, load
 
     binaries = build(cache_dir() / f"llama.cpp-{VERSION}", args.isa)
-    runtime = load(args.package)
+    runtime = load(args.package, weights=args.weights)
     prompts = [list(range(5 + s, 5 + s + PROMPT)) for s in range(args.sessions)]
 
     def ours(n: int) -> None:

@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--model", help="HF reference (default: the package's source)")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--weights", choices=["mapped", "private"], default="mapped",
+                        help="how the runtime holds the weights (runtime.load's `weights`)")
     parser.add_argument("--hf-slice", type=int, default=0,
                         help="Also time HF's forward over the prompt in slices of this many tokens, through its cache "
                              "(what slicing itself costs: the package's slices are its --max-step-tokens).")
@@ -39,7 +41,7 @@ def main() -> None:
     manifest = json.loads((args.package / "manifest.json").read_text())
     source = manifest["provenance"]["source"]
     hf = load_model(args.model or source.get("builtin") or source.get("gguf") or source["path"]).model
-    runtime = load(args.package)
+    runtime = load(args.package, weights=args.weights)
     ids = torch.randint(3, manifest["metadata"]["get_vocab_size"], (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
 
     def ours() -> None:
