@@ -493,9 +493,12 @@ class PackageReader:
                 if free is not None and size > free:
                     why = (f"can be written by others ({writer}), who could change it after its checksum is taken"
                            if writer is not None else "was asked for in private memory")
-                    fixes = (["map it from the file instead (--weights mapped)"] if private else []) + (
-                        ["make it writable by you alone (chmod go-w)" + ("" if private else ", or copy the package")]
-                        if writer is not None else [])
+                    fixes = []
+                    if private:  # a copy either way: only the mapping fits
+                        fixes.append("map it from the file instead (--weights mapped)")
+                    if writer is not None:
+                        fixes.append("make it writable by you alone (chmod go-w)" if private else
+                                     "make it writable by you alone (chmod go-w), or copy the package")
                     fix = " and ".join(fixes)
                     raise PackageError(f"{self.path}: {what}: {rel} {why}, and its {size / 2**30:.1f} GiB do not fit in "
                                        f"the {free / 2**30:.1f} GiB of memory available to copy it: {fix}")

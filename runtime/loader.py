@@ -37,6 +37,7 @@ WEIGHTS_MEMORY = ("mapped", "private")
 
 
 def check_weights_memory(weights: str) -> None:
+    """Refuses a `weights` that names no way of holding them."""
     if weights not in WEIGHTS_MEMORY:
         raise ValueError(f"weights={weights!r}: one of {', '.join(WEIGHTS_MEMORY)}")
 
