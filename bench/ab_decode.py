@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from common import cpu_model, emit
+from kvexport.contract.package import WEIGHTS_MEMORY
 from kvexport.runtime import StepEntry, load
 
 
@@ -51,7 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     given = args.weights.split(",")
     weights = dict(zip("ab", given))
-    if len(given) != 2 or not set(given) <= {"mapped", "private"}:
+    if len(given) != 2 or not set(given) <= set(WEIGHTS_MEMORY):
         parser.error("--weights takes two of mapped and private: A's,B's")
     runtimes = {k: load(str(getattr(args, k)), trust_native_code=True, weights=weights[k]) for k in "ab"}
     for runtime in runtimes.values():

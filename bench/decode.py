@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from common import emit, weight_read_gbps
+from kvexport.contract.package import WEIGHTS_MEMORY
 from kvexport.exporter.sources.models import load_model
 from kvexport.runtime import generate, load
 
@@ -48,7 +49,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--weights", choices=["mapped", "private"], default="mapped",
+    parser.add_argument("--weights", choices=WEIGHTS_MEMORY, default="mapped",
                         help="how the runtime holds the weights (runtime.load's `weights`)")
     args = parser.parse_args()
 

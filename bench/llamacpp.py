@@ -57,6 +57,7 @@ import tarfile
 from pathlib import Path
 
 from common import code_digest, cpu_model, drop_older, emit
+from kvexport.contract.package import WEIGHTS_MEMORY
 from kvexport.exporter.sources.models import cache_dir, load_model
 
 VERSION = "0.3.36"
@@ -286,7 +287,7 @@ def main() -> None:
                              "table on an AVX-512 one; avx512: both in AVX-512 with VNNI and BF16, no AMX")
     parser.add_argument("--omp-passive", action="store_true",
                         help="OMP_WAIT_POLICY=passive for llama.cpp: on a shared machine its spinning threads collapse")
-    parser.add_argument("--weights", choices=["mapped", "private"], default="mapped",
+    parser.add_argument("--weights", choices=WEIGHTS_MEMORY, default="mapped",
                         help="how kvexport's runtime holds each package's weights (runtime.load's `weights`)")
     args = parser.parse_args()
     os.environ.update(ISA_ENV[args.isa])  # every export and bench this script starts inherits it

@@ -38,6 +38,7 @@ import torch
 from common import best_of, cpu_model, emit
 from decode import decode_seconds
 from llamacpp import ISA_ENV, VERSION, batched_generation, build, run
+from kvexport.contract.package import WEIGHTS_MEMORY
 from kvexport.exporter.sources.models import cache_dir
 
 PROMPT = 32  # tokens, ids from 5 up: every vocabulary holds them
@@ -66,7 +67,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--sessions", type=int, default=1, help="sessions decoded together (tokens/s aggregated)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
-    parser.add_argument("--weights", choices=["mapped", "private"], default="mapped",
+    parser.add_argument("--weights", choices=WEIGHTS_MEMORY, default="mapped",
                         help="how the runtime holds the weights (runtime.load's `weights`)")
     args = parser.parse_args()
     if args.isa != "native":

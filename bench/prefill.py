@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from common import best_of, emit
+from kvexport.contract.package import WEIGHTS_MEMORY
 from kvexport.exporter.sources.models import load_model
 from kvexport.runtime import StepEntry, load
 
@@ -30,7 +31,7 @@ def main() -> None:
     parser.add_argument("--model", help="HF reference (default: the package's source)")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--weights", choices=["mapped", "private"], default="mapped",
+    parser.add_argument("--weights", choices=WEIGHTS_MEMORY, default="mapped",
                         help="how the runtime holds the weights (runtime.load's `weights`)")
     parser.add_argument("--hf-slice", type=int, default=0,
                         help="Also time HF's forward over the prompt in slices of this many tokens, through its cache "

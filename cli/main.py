@@ -15,6 +15,7 @@ from kvexport.contract import schemes
 from kvexport.contract.display import escape_lines
 from kvexport.contract.errors import KvexportError
 from kvexport.contract.manifest import CONTRACTS, DEVICES, DTYPES
+from kvexport.contract.package import WEIGHTS_MEMORY
 from kvexport.partitioners.registry import backend_ids, get_backend
 
 log = logging.getLogger("kvexport")
@@ -318,7 +319,7 @@ def digest(package: Path) -> None:
 # ---------------------------------------------------------------- generate
 # how generate and serve hold the package's weights (runtime.load's `weights`)
 weights_option = click.option(
-    "--weights", type=click.Choice(["mapped", "private"]), default="mapped", show_default=True,
+    "--weights", type=click.Choice(WEIGHTS_MEMORY), default="mapped", show_default=True,
     help="Hold the weights as a mapping of the package's file (shared with other processes through the page cache; "
          "a model larger than memory pages in) or copied into this process's memory on transparent huge pages "
          "(faster decoding where TLB misses cost; one copy per process; refused where they do not fit).")

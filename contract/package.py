@@ -34,6 +34,9 @@ from kvexport.contract.errors import ExportError, PackageError
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
+# how a runtime may hold the weights file: a private mapping of it, or a copy
+# in private memory (PackageReader.map_file's `private`; runtime.load's `weights`)
+WEIGHTS_MEMORY = ("mapped", "private")
 PROGRAMS_DIR = "programs"
 TOKENIZER_DIR = "tokenizer"
 

@@ -28,18 +28,9 @@ from kvexport.contract import manifest as mf
 from kvexport.contract import safetensors_io, torch_compat, trust
 from kvexport.contract.errors import PackageError
 from kvexport.contract.op_allowlist import program_limits
-from kvexport.contract.package import PackageReader
+from kvexport.contract.package import WEIGHTS_MEMORY, PackageReader
 
 log = logging.getLogger(__name__)
-
-# how a loaded package holds its weights (load's `weights`)
-WEIGHTS_MEMORY = ("mapped", "private")
-
-
-def check_weights_memory(weights: str) -> None:
-    """Refuses a `weights` that names no way of holding them."""
-    if weights not in WEIGHTS_MEMORY:
-        raise ValueError(f"weights={weights!r}: one of {', '.join(WEIGHTS_MEMORY)}")
 
 
 class IOManager:
@@ -90,8 +81,7 @@ class LoadedPackage:
     """A package's manifest, its one copy of the weights, and its methods."""
 
     def __init__(self, reader: PackageReader, verify: bool = True, trust_native_code: bool = False,
-                 weights: str = "mapped"):
-        check_weights_memory(weights)
+                 weights: str = "mapped"):  # load() has checked `weights`
         self.reader = reader
         self.manifest = reader.manifest
         self.backend = self.manifest.get("backend", {"id": mf.DEFAULT_BACKEND})
@@ -375,7 +365,8 @@ def load(
     digest is in the trust store (`kvexport trust`, or exported here), or
     `trust_native_code`, or it equals `expect_digest`. A package whose digest
     differs from `expect_digest` is refused, compiled or not."""
-    check_weights_memory(weights)
+    if weights not in WEIGHTS_MEMORY:  # before any byte of the package is read
+        raise ValueError(f"weights={weights!r}: one of {', '.join(WEIGHTS_MEMORY)}")
     reader = PackageReader(path)
     trust.check_expected_digest(reader, expect_digest)
     manager_cls = select_io_manager(reader.manifest)

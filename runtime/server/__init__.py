@@ -49,7 +49,7 @@ def serve(
     loads and verifies in the background while /health answers 503."""
     import uvicorn
 
-    from kvexport.runtime.loader import WEIGHTS_MEMORY
+    from kvexport.contract.package import WEIGHTS_MEMORY
     from kvexport.runtime.server.app import ServerState, create_app, start_loading
     from kvexport.runtime.server.engine import Engine
     from kvexport.runtime.speculative import resolve_mode
