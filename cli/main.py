@@ -317,12 +317,16 @@ def digest(package: Path) -> None:
 
 
 # ---------------------------------------------------------------- generate
-# how generate and serve hold the package's weights (runtime.load's `weights`)
-weights_option = click.option(
-    "--weights", type=click.Choice(WEIGHTS_MEMORY), default="mapped", show_default=True,
-    help="Hold the weights as a mapping of the package's file (shared with other processes through the page cache; "
-         "a model larger than memory pages in) or copied into this process's memory on transparent huge pages "
-         "(faster decoding where TLB misses cost; one copy per process; refused where they do not fit).")
+def weights_option(default: str):
+    """How generate and serve hold the package's weights (runtime.load's
+    `weights`): generate, a short process, maps them by default (no copy to
+    wait for); serve, a long one, copies them where they fit easily."""
+    return click.option(
+        "--weights", type=click.Choice(WEIGHTS_MEMORY), default=default, show_default=True,
+        help="Hold the weights as a mapping of the package's file (shared with other processes through the page "
+             "cache; a model larger than memory pages in), copied into this process's memory on transparent huge "
+             "pages (private: faster decoding where TLB misses cost; one copy per process; refused where they do "
+             "not fit), or auto: private where they take at most half the memory available, else mapped.")
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -355,7 +359,7 @@ def _parse_ids(text: str) -> list[int]:
 @click.option("--max-draft", type=int, default=8, show_default=True, help="Most tokens a session drafts per step (it adapts to how many are kept).")
 @click.option("--json-schema", "json_schema", type=click.Path(path_type=Path), help="A JSON schema file: every output is JSON that validates against it (the tokens it forbids are masked before each draw).")
 @click.option("--regex", help="A regular expression every output matches in full.")
-@weights_option
+@weights_option("mapped")
 def generate(
     package: Path,
     prompts: tuple[str, ...],
@@ -462,7 +466,7 @@ def _grammar(runtime, text, json_schema: Path | None, regex: str | None):
 @click.option("--speculative", type=click.Choice(["off", "lookup", "draft"]), help="Speculative decoding: each decoding session drafts tokens by prompt lookup or with --draft's package, checked in the same step; drafts only fill the step up to its widest static method, so a full step decodes plainly. Greedy tokens are unchanged. Default: draft with --draft, else off.")
 @click.option("--draft", type=click.Path(path_type=Path), help="A draft package sharing the tokenizer (a smaller model, or the same one quantized).")
 @click.option("--max-draft", type=int, default=8, show_default=True, help="Most tokens a session drafts per step (it adapts to how many are kept).")
-@weights_option
+@weights_option("auto")
 def serve(package: Path, host: str, port: int, **options) -> None:
     """Serve PACKAGE over an OpenAI-compatible HTTP API (POST
     /v1/chat/completions and /v1/completions, GET /v1/models, /health,

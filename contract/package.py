@@ -34,9 +34,12 @@ from kvexport.contract.errors import ExportError, PackageError
 
 MANIFEST = "manifest.json"
 WEIGHTS = "weights.safetensors"
-# how a runtime may hold the weights file: a private mapping of it, or a copy
-# in private memory (PackageReader.map_file's `private`; runtime.load's `weights`)
-WEIGHTS_MEMORY = ("mapped", "private")
+# how a runtime may hold the weights file: a private mapping of it, a copy in
+# private memory, or the copy where it takes at most AUTO_PRIVATE_SHARE of the
+# memory available and the mapping otherwise (PackageReader.map_file's `hold`;
+# runtime.load's `weights`)
+WEIGHTS_MEMORY = ("mapped", "private", "auto")
+AUTO_PRIVATE_SHARE = 0.5  # the rest is left to the KV pools, the activations and other processes
 PROGRAMS_DIR = "programs"
 TOKENIZER_DIR = "tokenizer"
 
@@ -326,6 +329,7 @@ class PackageReader:
             raise PackageError(f"{self.path}: not a kvexport package ({MANIFEST} is missing)")
         self.layout_problems = _layout_problems(self.path)
         self._held: dict[str, bytes] = {}  # files read once, kept as hashed (programs)
+        self.holding: dict[str, str] = {}  # files map_file gave: "mapped" or "private" (copied)
         self.manifest_bytes = self.read_file(MANIFEST, MANIFEST, MAX_MANIFEST_BYTES)
         try:
             self.manifest: dict[str, Any] = json.loads(self.manifest_bytes)
@@ -476,12 +480,14 @@ class PackageReader:
         self.file(rel, f"methods.{method}.program")
         return inflate_program(self.held(rel), f"methods.{method}.program ({rel})")
 
-    def map_file(self, rel: str, what: str, verify: bool = True, private: bool = False) -> mmap.mmap:
+    def map_file(self, rel: str, what: str, verify: bool = True, hold: str = "mapped") -> mmap.mmap:
         """A private mapping of `rel`, hashed from the mapping itself (not
-        from the path) when `verify`. With `private`, and for a file that
-        someone else could write in place (after its hash, into pages not yet
-        read), the file is copied into anonymous memory instead (on huge
-        pages where the kernel has them), where it fits."""
+        from the path) when `verify`. With `hold` "private" ("auto": where
+        the file takes at most AUTO_PRIVATE_SHARE of the memory available),
+        and for a file that someone else could write in place (after its
+        hash, into pages not yet read), the file is copied into anonymous
+        memory instead (on huge pages where the kernel has them), where it
+        fits. `self.holding[rel]` says which it became."""
         fd = self.open_file(rel, what)
         try:
             st = os.fstat(fd)
@@ -489,10 +495,16 @@ class PackageReader:
             if size == 0:
                 raise PackageError(f"{self.path}: {what}: {rel} is empty")
             writer = others_can_write(st)
+            free = available_memory()
+            private = hold == "private"
+            if hold == "auto":
+                private = free is not None and size <= AUTO_PRIVATE_SHARE * free
+                log.info("%s: %s (%.0f MB) %s (--weights auto; %.1f GiB available)", self.path, rel, size / 2**20,
+                         "copied into private memory" if private else "mapped from the file",
+                         (free or 0) / 2**30)
             if writer is None and not private:
                 mapping = map_fd(fd, size)
             else:
-                free = available_memory()
                 if free is not None and size > free:
                     why = (f"can be written by others ({writer}), who could change it after its checksum is taken"
                            if writer is not None else "was asked for in private memory")
@@ -509,6 +521,7 @@ class PackageReader:
                     log.info("%s: %s can be written by others (%s): reading it into private memory", self.path, rel,
                              writer)
                 mapping = read_private(fd, size)
+            self.holding[rel] = "mapped" if writer is None and not private else "private"
         except OSError as e:
             raise PackageError(f"{self.path}: {what}: cannot map {rel} ({e.strerror or e})") from None
         finally:

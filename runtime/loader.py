@@ -100,20 +100,20 @@ class LoadedPackage:
             mf.require(reader.verify_checksums(skip=(reader.weights_file,)), f"{reader.path}: the package is damaged")
         reader.hold_programs()  # every method is built from these bytes, whenever it is first used
         start = time.perf_counter()
-        self.tensors: dict[str, torch.Tensor] = self._map_weights(reader.weights_file, verify, weights == "private")
+        self.tensors: dict[str, torch.Tensor] = self._map_weights(reader.weights_file, verify, weights)
         log.debug("loaded %d weight tensors in %.2f s", len(self.tensors), time.perf_counter() - start)
         self.aliases: dict[str, str] = self.manifest.get("weights", {}).get("aliases", {})
         self.state: dict[str, torch.Tensor] = {}  # runtime-owned tensors a program binds (ingraph_kv's cache)
         self._parameters: dict[str, torch.nn.Parameter] = {}
         self._methods: dict[str, Callable] = {}
 
-    def _map_weights(self, rel: str, verify: bool, private: bool) -> dict[str, torch.Tensor]:
-        """The weights as views of one private mapping of the file (or, with
-        `private`, of their copy in this process's memory), hashed from that
+    def _map_weights(self, rel: str, verify: bool, hold: str) -> dict[str, torch.Tensor]:
+        """The weights as views of one private mapping of the file (or, as
+        `hold` says, of their copy in this process's memory), hashed from that
         mapping: no later rename in the folder changes them. safetensors'
         header, parsed here: no pickle; these tensors are the only copy every
         method binds."""
-        mapping = self.reader.map_file(rel, "weights.file", verify, private)
+        mapping = self.reader.map_file(rel, "weights.file", verify, hold)
         try:
             tensors = safetensors_io.map_tensors(mapping, Path(rel))
         except ValueError as e:
@@ -356,10 +356,12 @@ def load(
 
     `weights`: "mapped" (a private mapping of the file: processes that load
     the package share one copy in the page cache, and a model larger than
-    memory pages in and out) or "private" (copied into this process's
+    memory pages in and out), "private" (copied into this process's
     memory on transparent huge pages where the kernel has them: faster
     streaming of the weights, at the price of a copy per process; refused
-    where the weights do not fit in the memory available).
+    where the weights do not fit in the memory available) or "auto"
+    (private where the weights take at most half the memory available,
+    mapped otherwise). `runtime.package.reader.holding` says which.
 
     A package with native code (aoti) loads only when trusted: its manifest
     digest is in the trust store (`kvexport trust`, or exported here), or

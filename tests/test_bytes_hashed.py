@@ -180,8 +180,27 @@ def test_private_weights_that_do_not_fit_are_refused(tmp_path, tiny_package, mon
     weights.chmod(0o664)  # others can write it too: both fixes named
     with pytest.raises(PackageError, match=r"can be written by others.*--weights mapped\) and make it writable by you"):
         load(pkg, weights="private")
-    with pytest.raises(ValueError, match="mapped, private"):
+    with pytest.raises(ValueError, match="mapped, private, auto"):
         load(pkg, weights="huge")
+
+
+def test_auto_copies_weights_that_fit_easily_and_maps_the_rest(tmp_path, tiny_package, monkeypatch):
+    """`weights="auto"` copies the weights where they take at most half the
+    memory available (AUTO_PRIVATE_SHARE) and maps them otherwise, never
+    refusing; the reader says which it did."""
+    pkg = copy_of(tmp_path, tiny_package("tiny-llama"))
+    weights = pkg / "weights.safetensors"
+    weights.chmod(0o644)
+    size = weights.stat().st_size
+    assert package_module.AUTO_PRIVATE_SHARE == 0.5
+    for free, want in ((2 * size, "private"), (2 * size - 1, "mapped"), (None, "mapped")):
+        monkeypatch.setattr(package_module, "available_memory", lambda free=free: free)
+        runtime = load(pkg, weights="auto")
+        assert runtime.package.reader.holding == {"weights.safetensors": want}, free
+        if want == "private" and os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+            assert "hg" in mapping_flags(next(iter(runtime.package.tensors.values())).data_ptr())
+    assert tokens(load(pkg, weights="auto")) == tokens(load(pkg))
+    assert load(pkg).package.reader.holding == {"weights.safetensors": "mapped"}
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o664, "another owner"])

@@ -71,6 +71,18 @@ def test_generate_with_private_weights_gives_the_mapped_tokens(cli_package, monk
     assert too_large.exit_code == 1 and "--weights mapped" in too_large.output and "Traceback" not in too_large.output
 
 
+def test_serve_copies_weights_that_fit_by_default(cli_package, monkeypatch):
+    """serve, a long process, holds the weights "auto" (copied where they
+    fit easily) unless told otherwise; generate maps them (above)."""
+    import kvexport.runtime.server
+
+    asked = []
+    monkeypatch.setattr(kvexport.runtime.server, "serve", lambda *a, **k: asked.append(k["weights"]))
+    assert run("serve", str(cli_package)).exit_code == 0
+    assert run("serve", str(cli_package), "--weights", "mapped").exit_code == 0
+    assert asked == ["auto", "mapped"]
+
+
 def test_generate_sampling_flags(cli_package):
     base = ["generate", str(cli_package), "--prompt-ids", "5,6,7", "--max-new-tokens", "12", "--json"]
     sampled = json.loads(run(*base, "--temperature", "1.5", "--top-k", "50", "--seed", "3").stdout)

@@ -41,7 +41,7 @@ def serve(
     speculative: str | None = None,
     draft: Path | str | None = None,
     max_draft: int = 8,
-    weights: str = "mapped",
+    weights: str = "auto",
     on_listening: Callable[[str], None] | None = None,
 ) -> None:
     """Serves `package` until SIGTERM or SIGINT. The socket is bound first

@@ -373,7 +373,7 @@ class _Reply:
 # ------------------------------------------------------------------ loading
 def load_engine(state: ServerState, package, *, trust_native_code: bool, expect_digest: str | None, max_cells: int | None,
                 verify: bool, engine_options: dict, state_dir=None, speculative: str = "off", draft=None,
-                max_draft: int = 8, weights: str = "mapped") -> None:
+                max_draft: int = 8, weights: str = "auto") -> None:
     """Loads and verifies the package, then starts the engine (in a thread of
     its own while the server already answers /health with 503)."""
     from kvexport.runtime import load
