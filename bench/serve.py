@@ -5,6 +5,7 @@ under the same streamed chat load, in one command:
                           [--prefix-turns] [--conversations 3] [--omp-passive]
     python bench/serve.py --soak SECONDS [--package PKG]
     python bench/serve.py --speculative lookup|draft [--draft PKG] [--package PKG]
+    python bench/serve.py --compare-weights [--package PKG]
 
 What it starts, one server at a time (each is killed at the end, Ctrl-C too):
 
@@ -45,7 +46,10 @@ with itself instead of with llama-server: the same load with speculation off
 and on, at `--clients` clients and at one (`--single-requests` requests),
 `--rounds` times (3) in turn, keeping each one's best run, and prints the
 aggregate throughput ratio on/off and the single client's inter-token
-latency and request time ratios off/on.
+latency and request time ratios off/on. `--compare-weights` does the same
+with `--weights mapped` against `--weights auto` (serve's default: the
+weights copied onto huge pages where they take at most half the memory
+available), auto in the place of "on".
 
 `--prefix-turns` adds conversations (3, --conversations) whose second turn
 carries a ~1,500-token history, one request at a time on fresh servers: turn
@@ -609,30 +613,44 @@ def wait_until(condition: Callable[[], bool], seconds: float) -> None:
         time.sleep(0.2)
 
 
-# ------------------------------------------------------------------ speculation
-def speculation_comparison(pkg: Path, args: argparse.Namespace) -> dict:
-    """The same load on kvexport serve with speculation off and on, at
-    args.clients clients and at one."""
-    modes = {"off": ["--speculative", "off"],
-             args.speculative: ["--speculative", args.speculative, *(["--draft", args.draft] if args.draft else [])]}
-    out: dict = {"mode": args.speculative, "draft": args.draft, "rounds": args.rounds}
+# ------------------------------------------------------------------ comparisons
+def comparison(pkg: Path, args: argparse.Namespace, modes: dict[str, list[str]], on: str, off: str) -> dict:
+    """The same load on kvexport serve under each of `modes`' flags, at
+    args.clients clients and at one, the modes in turn for args.rounds
+    rounds, each one's best round kept; ratios of mode `on` over `off`."""
+    out: dict = {"rounds": args.rounds, "modes": modes}
     for label, clients, requests in (("loaded", args.clients, args.requests), ("single", 1, args.single_requests)):
         load = argparse.Namespace(**{**vars(args), "clients": clients, "requests": requests, "rate": None})
-        for _ in range(args.rounds):  # off and on in turn, each one's best round kept
+        for _ in range(args.rounds):
             for mode, flags in modes.items():
                 with kvexport_server(pkg, args, *flags) as server:
                     got = measure(server, load)
                 best = out.get(f"{label}_{mode}")
                 if best is None or got["output_tokens_per_s"] > best["output_tokens_per_s"]:
                     out[f"{label}_{mode}"] = got
-    on, off = out[f"loaded_{args.speculative}"], out["loaded_off"]
-    single_on, single_off = out[f"single_{args.speculative}"], out["single_off"]
-    out["throughput_ratio_on_over_off"] = round(on["output_tokens_per_s"] / off["output_tokens_per_s"], 3)
+    loaded_on, loaded_off = out[f"loaded_{on}"], out[f"loaded_{off}"]
+    single_on, single_off = out[f"single_{on}"], out[f"single_{off}"]
+    out["throughput_ratio_on_over_off"] = round(loaded_on["output_tokens_per_s"] / loaded_off["output_tokens_per_s"], 3)
     # one client, every request 64 tokens: its rate is the inverse of a request's time
     out["single_request_time_ratio_off_over_on"] = round(single_on["output_tokens_per_s"] / single_off["output_tokens_per_s"], 3)
     out["single_itl_p50_ratio_off_over_on"] = (round(single_off["itl_ms_p50"] / single_on["itl_ms_p50"], 3)
                                                if single_on["itl_ms_p50"] else None)
     return out
+
+
+def speculation_comparison(pkg: Path, args: argparse.Namespace) -> dict:
+    """kvexport serve with speculation off and on."""
+    modes = {"off": ["--speculative", "off"],
+             args.speculative: ["--speculative", args.speculative, *(["--draft", args.draft] if args.draft else [])]}
+    return {"mode": args.speculative, "off": "off", "draft": args.draft,
+            **comparison(pkg, args, modes, args.speculative, "off")}
+
+
+def weights_comparison(pkg: Path, args: argparse.Namespace) -> dict:
+    """kvexport serve with the weights mapped from the file and held
+    `--weights auto` (copied onto huge pages where they fit easily)."""
+    modes = {"mapped": ["--weights", "mapped"], "auto": ["--weights", "auto"]}
+    return {"mode": "auto", "off": "mapped", **comparison(pkg, args, modes, "auto", "mapped")}
 
 
 # ------------------------------------------------------------------ report
@@ -657,15 +675,18 @@ def show(result: dict) -> None:
         lines.append(f"turn-2 TTFT (1,500-token history): cache on {p['kvexport_cache_on']['turn2_ttft_ms_median']} ms, "
                      f"off {p['kvexport_cache_off']['turn2_ttft_ms_median']} ms: off/on {p['ttft_ratio_off_over_on']}; "
                      f"llama-server {p.get('llama-server', {}).get('turn2_ttft_ms_median')} ms")
-    if "speculation" in result:
-        sp = result["speculation"]
-        for key in ("loaded_off", f"loaded_{sp['mode']}", "single_off", f"single_{sp['mode']}"):
-            r = sp[key]
+    for what in ("speculation", "weights"):
+        if what not in result:
+            continue
+        c = result[what]
+        on, off = c["mode"], c["off"]
+        for key in (f"loaded_{off}", f"loaded_{on}", f"single_{off}", f"single_{on}"):
+            r = c[key]
             lines.append(f"{key:>16}: {r['output_tokens_per_s']:7.1f} tok/s  ITL p50/p99 {r['itl_ms_p50']}/{r['itl_ms_p99']} ms  "
                          f"ok {r['requests_ok']} failed {r['requests_failed']}")
-        lines.append(f"speculation {sp['mode']}: throughput on/off {sp['throughput_ratio_on_over_off']} at {result['clients']} clients; "
-                     f"one client's request time off/on {sp['single_request_time_ratio_off_over_on']}, "
-                     f"ITL p50 off/on {sp['single_itl_p50_ratio_off_over_on']}")
+        lines.append(f"{what} {on}: throughput {on}/{off} {c['throughput_ratio_on_over_off']} at {result['clients']} clients; "
+                     f"one client's request time {off}/{on} {c['single_request_time_ratio_off_over_on']}, "
+                     f"ITL p50 {off}/{on} {c['single_itl_p50_ratio_off_over_on']}")
     if "soak" in result:
         s = result["soak"]
         lines.append(f"soak: {s['requests']} requests ({s['completed']} completed, {s['dropped']} dropped, {s['timed_out']} timed out, "
@@ -692,9 +713,11 @@ def main() -> None:
     parser.add_argument("--trust-native-code", action="store_true", help="passed to kvexport serve (a --package not trusted here)")
     parser.add_argument("--speculative", choices=["lookup", "draft"], help="compare kvexport serve with this speculation against it off")
     parser.add_argument("--draft", help="the draft package for --speculative draft")
-    parser.add_argument("--single-requests", type=int, default=8, help="requests of the one-client half of --speculative")
+    parser.add_argument("--compare-weights", action="store_true",
+                        help="compare kvexport serve with --weights mapped and auto (its default), as --speculative does")
+    parser.add_argument("--single-requests", type=int, default=8, help="requests of the one-client half of --speculative or --compare-weights")
     parser.add_argument("--rounds", type=int, default=3,
-                        help="--speculative: each load this many times, off and on in turn, keeping each one's best "
+                        help="--speculative, --compare-weights: each load this many times, the two in turn, keeping each one's best "
                              "(the order requests arrive in, and so the steps, differs from run to run)")
     parser.add_argument("--omp-passive", action="store_true",
                         help="OMP_WAIT_POLICY=passive for both servers: on a shared machine spinning threads collapse")
@@ -705,8 +728,11 @@ def main() -> None:
     pkg = package(args.package)
     result: dict = {"cpu": cpu_model(), "threads": args.threads, "omp_passive": args.omp_passive, "package": str(pkg),
                     "clients": args.clients}
-    if args.speculative:
-        result["speculation"] = speculation_comparison(pkg, args)
+    if args.speculative or args.compare_weights:
+        if args.speculative:
+            result["speculation"] = speculation_comparison(pkg, args)
+        else:
+            result["weights"] = weights_comparison(pkg, args)
         show(result)
         emit(result)
         return

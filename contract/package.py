@@ -488,6 +488,8 @@ class PackageReader:
         hash, into pages not yet read), the file is copied into anonymous
         memory instead (on huge pages where the kernel has them), where it
         fits. `self.holding[rel]` says which it became."""
+        if hold not in WEIGHTS_MEMORY:
+            raise ValueError(f"hold={hold!r}: one of {', '.join(WEIGHTS_MEMORY)}")
         fd = self.open_file(rel, what)
         try:
             st = os.fstat(fd)
@@ -499,9 +501,9 @@ class PackageReader:
             private = hold == "private"
             if hold == "auto":
                 private = free is not None and size <= AUTO_PRIVATE_SHARE * free
-                log.info("%s: %s (%.0f MB) %s (--weights auto; %.1f GiB available)", self.path, rel, size / 2**20,
+                log.info("%s: %s (%.0f MB) %s (--weights auto; %s available)", self.path, rel, size / 2**20,
                          "copied into private memory" if private else "mapped from the file",
-                         (free or 0) / 2**30)
+                         "unknown memory" if free is None else f"{free / 2**30:.1f} GiB")
             if writer is None and not private:
                 mapping = map_fd(fd, size)
             else:
