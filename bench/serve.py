@@ -618,7 +618,7 @@ def comparison(pkg: Path, args: argparse.Namespace, modes: dict[str, list[str]],
     """The same load on kvexport serve under each of `modes`' flags, at
     args.clients clients and at one, the modes in turn for args.rounds
     rounds, each one's best round kept; ratios of mode `on` over `off`."""
-    out: dict = {"rounds": args.rounds, "modes": modes}
+    out: dict = {"mode": on, "off": off, "rounds": args.rounds, "modes": modes}
     for label, clients, requests in (("loaded", args.clients, args.requests), ("single", 1, args.single_requests)):
         load = argparse.Namespace(**{**vars(args), "clients": clients, "requests": requests, "rate": None})
         for _ in range(args.rounds):
@@ -642,15 +642,14 @@ def speculation_comparison(pkg: Path, args: argparse.Namespace) -> dict:
     """kvexport serve with speculation off and on."""
     modes = {"off": ["--speculative", "off"],
              args.speculative: ["--speculative", args.speculative, *(["--draft", args.draft] if args.draft else [])]}
-    return {"mode": args.speculative, "off": "off", "draft": args.draft,
-            **comparison(pkg, args, modes, args.speculative, "off")}
+    return {"draft": args.draft, **comparison(pkg, args, modes, args.speculative, "off")}
 
 
 def weights_comparison(pkg: Path, args: argparse.Namespace) -> dict:
     """kvexport serve with the weights mapped from the file and held
     `--weights auto` (copied onto huge pages where they fit easily)."""
     modes = {"mapped": ["--weights", "mapped"], "auto": ["--weights", "auto"]}
-    return {"mode": "auto", "off": "mapped", **comparison(pkg, args, modes, "auto", "mapped")}
+    return comparison(pkg, args, modes, "auto", "mapped")
 
 
 # ------------------------------------------------------------------ report
