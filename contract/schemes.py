@@ -46,18 +46,21 @@ BY_NAME = {scheme.name: scheme for scheme in SCHEMES}
 ALGORITHMS = ("minmax", "hqq")  # a group's scale and offset from its range, or from HQQ's search
 # --qact: a packed linear's activations kept float, rounded to int8 per block
 # of 32, rounded so plus their rounding error rounded alike (two int8 terms),
-# or rounded to int16 per block of 32. The int8 kernel's `qact` argument is a
-# value's index here: keep the order
-QACT = ("none", "int8", "int8x2", "int16")
+# rounded to int16 per block of 32, or int8 with a second term on each row's
+# peak block (the one holding its largest magnitude). The int8 kernel's
+# `qact` argument is a value's index here: keep the order
+QACT = ("none", "int8", "int8x2", "int16", "int8-peak")
 ROUNDED = QACT[1:]  # the --qact values that make integer products
 # --qact left out where the backend multiplies rounded activations on its own
 # kernels: each linear takes the rounding of its codes' width. int16 over
 # 8-bit codes: on AVX2 as fast as int8 at every row count, and within 0.13
-# points of weight-only's agreement where int8 fell 1.56 short; int8 over
-# 4-bit codes, where int16 costs twice the integer products (README, "Int16
-# activations")
+# points of weight-only's agreement where int8 fell 1.56 short; int8-peak
+# over 4-bit codes, where int16 costs twice the integer products and int8
+# fell 1.7-2.2 points short: its second term on each row's peak block took
+# SmolLM2 4w to 0.78 points of weight-only for about 3% of a step (README,
+# "Int16 activations" and "A second term on the peak block")
 BY_WIDTH = "by width"
-QACT_BY_BITS = {8: "int16", 4: "int8"}
+QACT_BY_BITS = {8: "int16", 4: "int8-peak"}
 QLINEAR = tuple(s.name for s in SCHEMES if s.linears)
 QEMBEDDING = tuple(s.name for s in SCHEMES if s.embeddings)
 

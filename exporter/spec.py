@@ -38,7 +38,7 @@ class ExportSpec:
     qlinear_algorithm: str = "minmax"  # minmax | hqq: how a group's scale and offset are chosen
     qlinear_keep_8w: str = ""  # 4w: comma-separated module patterns (or sensitive:FRACTION) kept at 8 bits
     qembedding: str = ""  # 8w
-    qact: str = ""  # none | int8 | int8x2 | int16: a packed linear's activations kept float, rounded to int8 per block of 32, that plus its rounding error rounded alike, or rounded to int16 per block; "": each linear's by its codes' width (schemes.QACT_BY_BITS) where the backend has the kernels
+    qact: str = ""  # none | int8 | int8x2 | int16 | int8-peak: a packed linear's activations kept float, rounded to int8 per block of 32, that plus its rounding error rounded alike, rounded to int16 per block, or int8 plus that error on each row's peak blocks; "": each linear's by its codes' width (schemes.QACT_BY_BITS) where the backend has the kernels
     min_prefill_chunk: int = 1
     backend: str = DEFAULT_BACKEND
     device: str = "cpu"  # aoti: the device the methods are compiled for

@@ -37,7 +37,7 @@ from kvexport.passes.base import arguments, emit
 aten = torch.ops.aten
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _ROUNDINGS = (torch.ops.kvexport.int8_rows.default, torch.ops.kvexport.int8x2_rows.default,
-              torch.ops.kvexport.int16_rows.default)
+              torch.ops.kvexport.int16_rows.default, torch.ops.kvexport.int8_peak_rows.default)
 _DEQUANTIZE_BLOCKS = torch.ops.kvexport.dequantize_blocks.default
 
 
@@ -105,7 +105,7 @@ def fuse_sibling_int8_products(program: torch.export.ExportedProgram, fused: Fus
     """Rewrites every group of two or more products with int8 activations
     over one input (exporter/quantization's Int8Linear:
     linear(int8_rows(x), dequantize_blocks(data, scale, offset, bits, dtype)),
-    or the same with int8x2_rows(x) or int16_rows(x), never two mixed), whose codes have
+    or the same with int8x2_rows(x), int16_rows(x) or int8_peak_rows(x), never two mixed), whose codes have
     one width, group and code size, whose scales one dtype, and whose biases
     are all parameters or all absent: their codes, scales and offsets stacked
     along the rows (codes in blocks are panel by panel of 8 rows, so the

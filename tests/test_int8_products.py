@@ -19,6 +19,7 @@ from helpers import export_tiny
 from kvexport.cli.main import main
 from kvexport.contract.errors import SpecError
 from kvexport.contract.op_allowlist import ALLOWED_OPS
+from kvexport.contract.schemes import QACT_BY_BITS
 from kvexport.exporter.quantization.quantize import (
     Int8Linear, PackedLinear, coverage_summary, quantize_model, quantize_weight,
 )
@@ -26,8 +27,8 @@ from kvexport.partitioners.aoti.passes.int8_linear import INT8_LINEAR, Int8Linea
 from kvexport.passes.base import run_passes
 from kvexport.passes.decompose_custom_ops import DecomposeCustomOpsPass
 from kvexport.passes.packed_weights import (
-    INV_127, INV_32767, _dequantize_blocks, int8_rows, int8x2_rows, int16_rows, narrow_tables, pack_blocks, pack_table,
-    unpack_blocks, unpack_table,
+    INV_127, INV_32767, _dequantize_blocks, int8_peak_rows, int8_rows, int8x2_rows, int16_rows, narrow_tables,
+    pack_blocks, pack_table, unpack_blocks, unpack_table,
 )
 
 
@@ -93,7 +94,30 @@ def test_int8x2_rows_add_the_rounding_error_rounded_alike():
     assert torch.equal(got[1, :32], torch.zeros(32))
 
 
-@pytest.mark.parametrize("qact", ["int8", "int8x2", "int16"])
+def test_int8_peak_rows_add_a_second_term_on_each_rows_peak_blocks_alone():
+    """int8-peak: int8_rows, plus int8x2's second term on the blocks whose
+    largest magnitude is their row's largest (ties: every such block),
+    nothing elsewhere; an all-zero row has no second term to add."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 128)
+    x[1, 64:96] *= 1e3  # one peak block
+    x[2, :32], x[2, 96:] = 5.0, -5.0  # a tie: two peak blocks
+    x[3] = 0.0
+    first = int8_rows(x)
+    both = int8x2_rows(x)
+    got = int8_peak_rows(x).reshape(4, 4, 32)
+    tops = x.abs().reshape(4, 4, 32).amax(-1)
+    peak = tops == tops.amax(-1, keepdim=True)
+    assert peak.sum(-1).tolist() == [1, 1, 2, 4] and peak[1, 2] and peak[2, 0] and peak[2, 3]
+    for m in range(4):
+        for b in range(4):
+            want = (both if peak[m, b] else first).reshape(4, 4, 32)[m, b]
+            assert torch.equal(got[m, b], want), (m, b)
+    assert not torch.equal(got[1, 2], first.reshape(4, 4, 32)[1, 2])  # the second term changed the peak block
+    assert torch.equal(got[3], torch.zeros(4, 32))
+
+
+@pytest.mark.parametrize("qact", ["int8", "int8x2", "int16", "int8-peak"])
 def test_the_stored_rounding_calls_only_allowlisted_operators(qact):
     module = Int8Linear(pack_blocks(torch.zeros(8, 64, dtype=torch.uint8), 4), torch.ones(1, 16).half(),
                         torch.zeros(1, 16).half(), 4, qact=qact)
@@ -148,19 +172,19 @@ def test_qact_int8_rounds_the_activations_of_the_linears_that_can_take_it():
 
 def test_by_width_each_linear_takes_the_rounding_of_its_codes_width():
     """The default where the kernels exist: int16 over 8-bit codes (the tied
-    head's, and a linear kept at 8 bits in a 4w export), int8 over 4-bit
-    ones; the coverage summary names both."""
+    head's, and a linear kept at 8 bits in a 4w export), int8-peak over
+    4-bit ones; the coverage summary names both."""
     from kvexport.contract.schemes import BY_WIDTH
 
     model = Model().eval()
     rows = {r["module"]: r for r in quantize_model(model, "4w", 0, "8w", keep_8w=("odd",), qact=BY_WIDTH)}
     assert (rows["up"]["bits"], rows["odd"]["bits"], rows["head"]["bits"]) == (4, 8, 8)
-    assert rows["up"]["activations"] == "int8" and rows["odd"]["activations"] == rows["head"]["activations"] == "int16"
-    assert (model.up.qact, model.odd.qact, model.head.qact) == ("int8", "int16", "int16")
-    assert "int16/int8 activations on 3 of 3 quantized linears" in coverage_summary(list(rows.values()))
+    assert rows["up"]["activations"] == "int8-peak" and rows["odd"]["activations"] == rows["head"]["activations"] == "int16"
+    assert (model.up.qact, model.odd.qact, model.head.qact) == ("int8-peak", "int16", "int16")
+    assert "int16/int8-peak activations on 3 of 3 quantized linears" in coverage_summary(list(rows.values()))
 
 
-@pytest.mark.parametrize("qact", ["int8", "int8x2", "int16"])
+@pytest.mark.parametrize("qact", ["int8", "int8x2", "int16", "int8-peak"])
 def test_the_coverage_summary_names_the_activations_each_linear_takes(qact):
     model = Model(vocab=36).eval()  # the head tied to an embedding of 36 rows keeps float activations
     lines = coverage_summary(quantize_model(model, "4w", 0, "8w", qact=qact))
@@ -199,7 +223,7 @@ def program_of(bits: int, rows: int, bias: bool = True, dynamic: bool = False,
 
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 5])
-@pytest.mark.parametrize("qact,code", [("int8", 1), ("int8x2", 2), ("int16", 3)])
+@pytest.mark.parametrize("qact,code", [("int8", 1), ("int8x2", 2), ("int16", 3), ("int8-peak", 4)])
 def test_the_compile_pass_finds_the_stored_arithmetic_and_keeps_its_results(bits, rows, qact, code):
     program, module, x = program_of(bits, rows, bias=rows == 1, qact=qact)
     run_passes(program.graph_module, [Int8LinearPass((1, 5))], "m")
@@ -242,6 +266,19 @@ def test_the_compile_pass_leaves_other_row_counts_and_other_arithmetic():
     error.args = (error.args[0], error.args[0])  # a second term that is not the first's rounding error
     linear = next(n for n in program.graph.nodes if n.target is torch.ops.aten.linear.default)
     assert int8_product(linear) is None
+    for change in ("fill", "peak over the blocks' own values", "peak of other rows"):
+        program, _, _ = program_of(4, 3, qact="int8-peak")
+        nodes = list(program.graph.nodes)
+        masked = next(n for n in nodes if n.target is torch.ops.aten.masked_fill.Scalar)
+        below = masked.args[1]
+        if change == "fill":  # the blocks below the peak keep half their second term
+            masked.args = (masked.args[0], below, 0.5)
+        elif change == "peak over the blocks' own values":
+            below.args[1].args = (below.args[1].args[0], [-1], True)
+        else:
+            below.args[1].args = (below.args[1].args[0], [0], True)
+        linear = next(n for n in nodes if n.target is torch.ops.aten.linear.default)
+        assert int8_product(linear) is None, change
 
 
 def test_blocks_dequantize_as_scale_times_code_plus_offset():
@@ -254,8 +291,8 @@ def test_blocks_dequantize_as_scale_times_code_plus_offset():
 
 @pytest.mark.compile
 def test_an_int8_package_runs_its_static_products_on_the_kernels(tiny_package):
-    """An aoti 4w package takes int8 activations by default where the
-    kernels exist, and verifies (its tokens alone and batched are its eager
+    """An aoti 4w package takes rounded activations by default where the
+    kernels exist (int8-peak over its 4-bit codes), and verifies (its tokens alone and batched are its eager
     reference's). Each static method calls the int8 kernel once per layer
     product (q/k/v and gate/up stacked) and the packed kernel once, for the LM head (the 8w embedding's
     codes, weight-only), and links both; forward_others (prefill) calls the
@@ -273,13 +310,14 @@ def test_an_int8_package_runs_its_static_products_on_the_kernels(tiny_package):
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["backend"]["target"]["packed_kernel_rows"] == list(range(1, 17))
     coverage = manifest["quantization"]["coverage"]
-    int8 = sum(1 for r in coverage if r.get("activations") == "int8")
+    rounding = QACT_BY_BITS[4]
+    int8 = sum(1 for r in coverage if r.get("activations") == rounding)
     # siblings (q/k/v, gate/up) are stored stacked, as rows of one tensor each: one product a stacked tensor
-    products = len({r["stored"]["data"].split("[")[0] for r in coverage if r.get("activations") == "int8"})
+    products = len({r["stored"]["data"].split("[")[0] for r in coverage if r.get("activations") == rounding})
     assert products < int8 and any("_proj.data[" in r["stored"].get("data", "") for r in coverage if "stored" in r)
     assert int8 == sum(1 for r in coverage if r["kind"] == "linear") - 1  # all but the tied head
     shown = CliRunner().invoke(main, ["inspect", str(path)]).stdout
-    assert f"int8 activations on {int8} of {int8 + 1} quantized linears" in shown
+    assert f"{rounding} activations on {int8} of {int8 + 1} quantized linears" in shown
     progress = "\n".join(PROGRESS[str(path)])
     for name, entry in manifest["methods"].items():
         if not name.startswith("forward_"):
@@ -362,14 +400,15 @@ def test_a_tied_head_multiplies_the_embeddings_codes_with_int8_activations(tmp_p
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("qact,qlinear", [("int8x2", "4w"), ("int16", "8w")])
-def test_a_package_with_finer_activations_runs_them_on_the_kernel_and_verifies(tiny_package, qact, qlinear):
-    """--qact int8x2 (two int8 terms) over 4-bit codes or int16 over 8-bit
-    ones (a scale a row) on aoti: every linear but the tied head takes them,
-    the report says so, the static methods call the int8 kernel, and the
-    package verifies (export checks its tokens alone and batched against its
-    eager reference, int8x2_rows' or int16_rows' arithmetic); the runtime's
-    greedy tokens are the eagerly quantized model's."""
+@pytest.mark.parametrize("qact,qlinear", [("int8x2", "4w"), ("int16", "8w"), ("int8", "4w")])
+def test_a_package_with_other_activations_runs_them_on_the_kernel_and_verifies(tiny_package, qact, qlinear):
+    """--qact int8x2 (two int8 terms) or int8 (one, where the default is
+    int8-peak) over 4-bit codes, or int16 over 8-bit ones (a scale a row)
+    on aoti: every linear but the tied head takes them, the report
+    says so, the static methods call the int8 kernel, and the package
+    verifies (export checks its tokens alone and batched against its eager
+    reference, the rounding's own arithmetic); the runtime's greedy tokens
+    are the eagerly quantized model's."""
     from helpers import PROGRESS, hf_greedy, prompt_of
     from kvexport.exporter.sources.models import load_model
     from kvexport.partitioners.aoti.kernels import build
@@ -384,7 +423,8 @@ def test_a_package_with_finer_activations_runs_them_on_the_kernel_and_verifies(t
     assert f"{qact} activations on {taking} of {taking + 1} quantized linears" in CliRunner().invoke(
         main, ["inspect", str(path)]).stdout
     progress = "\n".join(PROGRESS[str(path)])
-    assert re.search(r"forward_\d+ compiled in [0-9.]+ s, calling kvexport's int8_linear x\d+", progress), progress
+    assert re.search(r"forward_\d+ (from the compile cache \(it )?compiled in [0-9.]+ s\)?, calling kvexport's int8_linear x\d+",
+                     progress), progress
     eager = load_model("tiny-llama").model
     quantize_model(eager, qlinear, 0, "8w", qact=qact)
     runtime = load(path)

@@ -302,17 +302,17 @@ def test_sibling_linears_fuse_and_keep_results(rows):
     assert torch.allclose(program.module()(x), model(x), atol=1e-6)
 
 
-@pytest.mark.parametrize("qlinear", ["4w", "8w"])
-def test_sibling_int8_products_fuse_and_keep_results(qlinear):
-    """Quantized siblings with int8 activations stack their codes, scales and
-    offsets (and biases) along the rows and round their input once; the
+@pytest.mark.parametrize("qlinear,qact", [("4w", "int8"), ("8w", "int8"), ("4w", "int8-peak"), ("8w", "int16")])
+def test_sibling_int8_products_fuse_and_keep_results(qlinear, qact):
+    """Quantized siblings with rounded activations stack their codes, scales
+    and offsets (and biases) along the rows and round their input once; the
     product over the stacked parts is the parts' products, each sliced back."""
     from kvexport.exporter.quantization.quantize import Int8Linear
     from kvexport.passes.fuse_linears import FusedWeights, fuse_sibling_int8_products
 
     torch.manual_seed(0)
     model = Siblings().eval()
-    quantize_model(model, qlinear, 0, "", qact="int8")
+    quantize_model(model, qlinear, 0, "", qact=qact)
     assert all(isinstance(getattr(model, m), Int8Linear) for m in ("q", "k", "v", "gate", "up", "down"))
     x = torch.randn(5, 64)
     program = torch.export.export(model, (x,), strict=False)
@@ -322,7 +322,8 @@ def test_sibling_int8_products_fuse_and_keep_results(qlinear):
                for part in ("data", "scale", "offset")}
     assert set(stacked) | {"q_k_v.bias", "down.data", "down.scale", "down.offset"} == set(program.state_dict)
     called = [n.target for n in program.graph.nodes if n.op == "call_function"]
-    assert called.count(torch.ops.kvexport.int8_rows.default) == 3  # x once for q/k/v, h once for gate/up, down
+    rounding = getattr(torch.ops.kvexport, f"{qact.replace('-', '_')}_rows").default
+    assert called.count(rounding) == 3  # x once for q/k/v, h once for gate/up, down
     assert called.count(torch.ops.kvexport.dequantize_blocks.default) == called.count(torch.ops.aten.linear.default) == 3
     for name, members in stacked.items():
         part = name.split(".")[1]

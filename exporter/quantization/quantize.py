@@ -20,7 +20,9 @@ dot products, which the eager reference, the portable backend and the aoti
 kernel all compute. `--qact int8x2` adds each block's rounding error,
 rounded the same way (int8x2_rows): two int8 terms, about 15 bits;
 `--qact int16` rounds each block to int16 codes instead (int16_rows, a step
-of its largest magnitude / 32767). A tied LM head that shares a quantized
+of its largest magnitude / 32767); `--qact int8-peak` adds int8x2's second
+term on each row's peak blocks alone, those holding its largest magnitude
+(int8_peak_rows). A tied LM head that shares a quantized
 embedding's codes takes them too: the embedding stores them in that format, and its
 lookups read them there. A linear whose rows are not a multiple of 8 or
 whose groups are not whole blocks, or a head tied to such an embedding,
@@ -85,7 +87,8 @@ class Int8Linear(nn.Module):
     """A linear with int8 activations over codes in blocks:
     F.linear(int8_rows(x), dequantize_blocks(...)), the arithmetic of an
     integer dot product per block of 32 (`qact` int8x2: int8x2_rows(x), two
-    such products; int16: int16_rows(x), products of int16 codes); the
+    such products; int16: int16_rows(x), products of int16 codes; int8-peak:
+    int8_peak_rows(x), two on each row's peak blocks); the
     backend's passes pick the kernel."""
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int,
@@ -204,7 +207,7 @@ def quantize_model(
     embedding. A tied LM head shares the embedding's codes when both are
     quantized (one stored copy); other tied weights are skipped, since
     quantizing one would untie them and store both. With `qact` int8,
-    int8x2 or int16 the linears that can take rounded activations do
+    int8x2, int16 or int8-peak the linears that can take rounded activations do
     (`activations` in their row: the qact, or why they stay float); with
     schemes.BY_WIDTH each takes the rounding of its codes' width."""
     rounds = qact in schemes.ROUNDED or qact == schemes.BY_WIDTH

@@ -197,7 +197,8 @@ DYNAMIC_INT8_BITS = (4, 8)
 def int8_linear(x, data, scale, offset, bits: int, qact: int = 1, out=None, isa: str | None = None, products: str = ""):
     """x [M, K] (unit stride along K), its rows rounded per block of 32 as
     contract/schemes.py's QACT[qact] says (1: int8_rows; 2: int8x2_rows,
-    that plus its rounding error rounded alike; 3: int16_rows), times the
+    that plus its rounding error rounded alike; 3: int16_rows; 4:
+    int8_peak_rows, a second term on each row's peak blocks), times the
     weight of codes in the blocks format (data uint8 [N / 8, K * bits], scale
     and offset [N / 8, groups * 8], both fp32 or both fp16;
     passes/packed_weights.py) transposed, on the int8_linear kernel
@@ -209,7 +210,7 @@ def int8_linear(x, data, scale, offset, bits: int, qact: int = 1, out=None, isa:
     (m, k), panels = x.shape, data.shape[0]
     n, groups = panels * 8, (scale.shape[1] // 8 if scale.dim() == 2 else 0)
     out = x.new_empty(m, n) if out is None else out
-    if not (bits in (4, 8) and qact in (1, 2, 3) and x.dtype == out.dtype == torch.float32
+    if not (bits in (4, 8) and qact in (1, 2, 3, 4) and x.dtype == out.dtype == torch.float32
             and scale.dtype == offset.dtype and scale.dtype in (torch.float32, torch.float16) and data.dtype == torch.uint8
             and data.dim() == 2 and data.shape[1] == k * bits and x.stride(1) == 1
             and data.is_contiguous() and scale.is_contiguous() and offset.is_contiguous()
@@ -217,7 +218,7 @@ def int8_linear(x, data, scale, offset, bits: int, qact: int = 1, out=None, isa:
             and out.is_contiguous() and tuple(out.shape) == (m, n)):
         raise ValueError("int8_linear takes fp32 x [M, K] with unit stride along K, contiguous uint8 data "
                          "[N / 8, K * bits] of 4 or 8 bits, scale and offset [N / 8, groups * 8] both fp32 or both "
-                         "fp16 with K a multiple of 32 * groups, out [M, N], and qact 1, 2 or 3")
+                         "fp16 with K a multiple of 32 * groups, out [M, N], and qact 1, 2, 3 or 4")
     if products not in ("", "maddubs", "vnni"):
         raise ValueError(f"int8_linear's products are maddubs or vnni, not {products!r}")
     kernel = f"{INT8_LINEAR.name}_{products}" if products else INT8_LINEAR.name

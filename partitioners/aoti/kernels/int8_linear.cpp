@@ -86,7 +86,7 @@ constexpr int64_t CHUNK_BYTES = 192 << 10;
 const float INV_127 = (float)(1.0 / 127.0), INV_32767 = (float)(1.0 / 32767.0);
 const float SMALLEST_TOP = (float)1e-30;
 // the kernel's `qact` argument: contract/schemes.py's QACT index of the activations' rounding (1: int8)
-constexpr int64_t INT8X2 = 2, INT16 = 3;
+constexpr int64_t INT8X2 = 2, INT16 = 3, INT8_PEAK = 4;
 
 typedef __m256i ivec;
 
@@ -97,9 +97,18 @@ typedef __m256i ivec;
 // rows holds its codes quad by quad (4 codes of each of its rows, row by
 // row) and its steps block by block, so a tile finds a row's operands at a
 // fixed distance from one pointer
+//
+// With peaks (--qact int8-peak, int8_peak_rows), each row's peak blocks
+// (those whose largest magnitude is the row's largest) also round their
+// rounding error: codes2 and steps2 hold those second codes in the layout of
+// codes and steps (zero codes elsewhere), the sums count them, and
+// peak_blocks says, for each pass and block, whether any row of the pass has
+// a second term there
 struct Rows {
-  std::vector<int8_t> codes;
-  std::vector<float> steps, sums;
+  std::vector<int8_t> codes, codes2;
+  std::vector<float> steps, steps2, sums;
+  std::vector<uint8_t> peak_blocks;  // [passes, blocks]; empty without peaks
+  int64_t per_pass;
   bool one_pass;  // all rows in one pass
 };
 
@@ -170,14 +179,18 @@ inline void block_codes16(const float* p, float& step, int32_t& sum, ivec (&out)
 
 // x's M rows as int8 codes, in passes of per_pass rows; with two terms, 2 M
 // rows: row 2m holds row m's codes, row 2m + 1 those of its rounding error;
-// `wide`: M rows of int16 codes (a quad is 8 bytes)
+// `wide`: M rows of int16 codes (a quad is 8 bytes); `peaks`: M rows, and
+// second codes on each row's peak blocks
 Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups, int terms, int64_t per_pass,
-              bool wide = false) {
+              bool wide = false, bool peaks = false) {
   const int64_t blocks = K / BLOCK, per_group = blocks / groups, R = M * terms;
-  Rows r{std::vector<int8_t>(R * K * (wide ? 2 : 1)), std::vector<float>(R * blocks),
-         std::vector<float>(M * groups, 0.0f), per_pass >= R};
-  // code row `row`'s block b from the 32 floats at p (and their rounding error into `error`, if given)
-  const auto put = [&](int64_t row, int64_t b, const float* p, float* error) {
+  const int64_t passes = (R + per_pass - 1) / per_pass;
+  Rows r{std::vector<int8_t>(R * K * (wide ? 2 : 1)), std::vector<int8_t>(peaks ? R * K : 0),
+         std::vector<float>(R * blocks), std::vector<float>(peaks ? R * blocks : 0), std::vector<float>(M * groups, 0.0f),
+         std::vector<uint8_t>(peaks ? passes * blocks : 0), per_pass, per_pass >= R};
+  // code row `row`'s block b from the 32 floats at p (and their rounding error into `error`, if given); with
+  // `second`, into codes2 and steps2
+  const auto put = [&](int64_t row, int64_t b, const float* p, float* error, bool second = false) {
     // its pass: from row `first`, n rows
     const int64_t first = row / per_pass * per_pass, n = R - first < per_pass ? R - first : per_pass;
     float step;
@@ -193,17 +206,28 @@ Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups,
     } else {
       alignas(32) int32_t quads[QUADS];
       _mm256_store_si256((ivec*)quads, block_codes(p, step, sum, error));
-      int32_t* pass = (int32_t*)(r.codes.data() + first * K) + b * QUADS * n + row - first;
+      int32_t* pass = (int32_t*)((second ? r.codes2 : r.codes).data() + first * K) + b * QUADS * n + row - first;
       for (int j = 0; j < QUADS; j++) pass[j * n] = quads[j];
     }
-    r.steps[first * blocks + b * n + row - first] = step;
+    (second ? r.steps2 : r.steps)[first * blocks + b * n + row - first] = step;
     r.sums[row / terms * groups + b / per_group] += step * (float)sum;
   };
   const auto row = [&](int64_t m) {
     alignas(32) float error[BLOCK];
+    float peak = 0.0f;  // the row's largest block top (int8_peak_rows' amax of the tops)
+    if (peaks)
+      for (int64_t b = 0; b < blocks; b++) {
+        vec v[4];
+        const float top = block_top(x + m * ldx + b * BLOCK, v);
+        peak = top > peak ? top : peak;
+      }
     for (int64_t b = 0; b < blocks; b++) {
-      put(m * terms, b, x + m * ldx + b * BLOCK, terms == 2 ? error : nullptr);
+      const float* p = x + m * ldx + b * BLOCK;
+      vec v[4];
+      const bool second = terms == 2 || (peaks && !(block_top(p, v) < peak));  // lt(top, amax(tops)) masks it off
+      put(m * terms, b, p, second ? error : nullptr);
       if (terms == 2) put(m * terms + 1, b, error, nullptr);
+      if (peaks && second) put(m, b, error, nullptr, true);
     }
   };
   if (M >= 32) {
@@ -211,6 +235,13 @@ Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups,
     for (int64_t m = 0; m < M; m++) row(m);
   } else {  // no omp region at all: one that an if clause keeps to one thread cost about half of a one-row call's 0.9 us here
     for (int64_t m = 0; m < M; m++) row(m);
+  }
+  // a pass's block takes the second products where any of its rows has a second step (a peak block's is
+  // never 0: its top is at least SMALLEST_TOP)
+  for (int64_t pass = 0; pass < (peaks ? passes : 0); pass++) {
+    const int64_t first = pass * per_pass, n = R - first < per_pass ? R - first : per_pass;
+    for (int64_t b = 0; b < blocks; b++)
+      for (int64_t i = 0; i < n; i++) r.peak_blocks[pass * blocks + b] |= r.steps2[first * blocks + b * n + i] != 0.0f;
   }
   return r;
 }
@@ -333,7 +364,7 @@ inline void store_rows(const vec (&result)[MR], int64_t m0, float* out, int64_t 
 // where panels p0.. and code rows m0.. (x's rows m0 / TERMS ..) find their
 // operands (x's codes, steps and sums; the panels' codes, scales and
 // offsets), for every tiling below; WIDE: x's codes are int16
-template <int BITS, int MR, int TERMS, typename S, bool WIDE = false>
+template <int BITS, int MR, int TERMS, typename S, bool WIDE = false, bool PEAK = false>
 struct Operands {
   static constexpr int64_t CODE_BYTES = WIDE ? 2 : 1;
   static constexpr int64_t BLOCK_BYTES = PANEL * BLOCK * BITS / 8;  // a panel's codes of one block
@@ -341,26 +372,35 @@ struct Operands {
   int64_t ahead;                                                      // panels fetch_ahead fetches ahead
   const uint8_t* codes;
   const S *scales, *offsets;
-  const int8_t* x_codes;
-  const float *steps, *sums;
+  const int8_t *x_codes, *x_codes2;  // x_codes2: the second codes of peak blocks (PEAK: int8-peak), else null
+  const float *steps, *steps2, *sums;
+  const uint8_t* peak_blocks;  // PEAK: whether block b of these rows has second codes
 
   Operands(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset, int64_t p0, int64_t K,
            int64_t groups)
       : blocks(K / BLOCK), groups(groups), per_group(K / BLOCK / groups), panel_bytes(K / BLOCK * BLOCK_BYTES),
         table(groups * PANEL), ahead(rows.one_pass ? PREFETCH_ONE_PASS : PREFETCH_PASSES),
         codes(data + p0 * panel_bytes), scales(scale + p0 * table), offsets(offset + p0 * table),
-        x_codes(rows.codes.data() + m0 * K * CODE_BYTES), steps(rows.steps.data() + m0 * blocks),
-        sums(rows.sums.data() + m0 / TERMS * groups) {}
+        x_codes(rows.codes.data() + m0 * K * CODE_BYTES), x_codes2(PEAK ? rows.codes2.data() + m0 * K : nullptr),
+        steps(rows.steps.data() + m0 * blocks), steps2(PEAK ? rows.steps2.data() + m0 * blocks : nullptr),
+        sums(rows.sums.data() + m0 / TERMS * groups),
+        // (a tile's rows are one pass's: its first row m0 starts the pass)
+        peak_blocks(PEAK ? rows.peak_blocks.data() + m0 / rows.per_pass * blocks : nullptr) {}
 
   // panel t's codes of block b, and its 8 scales or offsets of group g
   const uint8_t* block(int64_t b, int64_t t) const { return codes + t * panel_bytes + b * BLOCK_BYTES; }
   const S* scale8(int64_t t, int64_t g) const { return scales + t * table + g * PANEL; }
   const S* offset8(int64_t t, int64_t g) const { return offsets + t * table + g * PANEL; }
-  // quad j (codes 4j..4j+3) of code row i: where it is, and as one int32 (int16 codes: int64), the broadcast of a quad
-  const int32_t* quad(int i, int64_t j) const { return (const int32_t*)(x_codes + (j * MR + i) * 4 * CODE_BYTES); }
+  // quad j (codes 4j..4j+3) of code row i (SECOND: of its second codes): where it is, and as one int32
+  // (int16 codes: int64), the broadcast of a quad
+  template <bool SECOND = false>
+  const int32_t* quad(int i, int64_t j) const {
+    return (const int32_t*)((SECOND ? x_codes2 : x_codes) + (j * MR + i) * 4 * CODE_BYTES);
+  }
+  template <bool SECOND = false>
   int32_t four(int i, int64_t j) const {
     int32_t four;
-    std::memcpy(&four, quad(i, j), 4);
+    std::memcpy(&four, quad<SECOND>(i, j), 4);
     return four;
   }
   int64_t four16(int i, int64_t j) const {
@@ -368,7 +408,12 @@ struct Operands {
     std::memcpy(&four, quad(i, j), 8);
     return four;
   }
-  float step(int i, int64_t b) const { return steps[b * MR + i]; }
+  template <bool SECOND = false>
+  float step(int i, int64_t b) const {
+    return (SECOND ? steps2 : steps)[b * MR + i];
+  }
+  // PEAK: whether block b takes second products (a row of these has a peak there)
+  bool peak(int64_t b) const { return peak_blocks[b]; }
 
   // fetches into L2, `ahead` panels ahead of P panels, their codes of block b
   // and, at the first block of a cache line of groups, their tables
@@ -402,11 +447,11 @@ struct Operands {
 // terms (TERMS 2: m0 and MR even), code rows 2m and 2m + 1 are x's row m's
 // two terms: their products are summed in registers a block, and stored
 // once, to row m
-template <int BITS, int MR, int P, bool ONE_GROUP, int TERMS, typename S>
+template <int BITS, int MR, int P, bool ONE_GROUP, int TERMS, typename S, bool PEAK = false>
 inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset, int64_t p0,
                        int64_t K, int64_t groups, float* out, int64_t N) {
   constexpr int XR = MR / TERMS;  // rows of x
-  const Operands<BITS, MR, TERMS, S> op(rows, m0, data, scale, offset, p0, K, groups);
+  const Operands<BITS, MR, TERMS, S, false, PEAK> op(rows, m0, data, scale, offset, p0, K, groups);
   vec acc[XR][P];
   clear(acc);
   for (int64_t b = 0; b < op.blocks; b++) {
@@ -416,55 +461,62 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
     // end: one madd and one add a block and row where there was one of each a vector. 4 and 8 rows of
     // 4-bit codes ran 0.88-0.90 x the time from memory and from L2, 1 row 0.98-1.0 x (it runs at the read
     // rate from memory), on Zen 3 (bench/ab_kernels.py --dtype 4w, with and without --in-cache). Without
-    // add16's hold 4 and 8 rows ran 1.25 x slower than with it
-    ivec dots[MR][P], sums16[MR][P];
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; i++)
-#pragma GCC unroll 4
-      for (int t = 0; t < P; t++) dots[i][t] = sums16[i][t] = _mm256_setzero_si256();
-    // quad q: codes 4q..4q+3 of the block (4 bits: and 16 + 4q .., the high nibbles)
-#pragma GCC unroll 8
-    for (int q = 0; q < BITS; q++) {  // a block is BITS vectors of a panel
-      ivec x[MR], xh[MR];
-#pragma GCC unroll 8
-      for (int i = 0; i < MR; i++) {
-        x[i] = _mm256_set1_epi32(op.four(i, b * QUADS + q));
-        if constexpr (BITS == 4) xh[i] = _mm256_set1_epi32(op.four(i, b * QUADS + QUADS / 2 + q));
-      }
-#pragma GCC unroll 4
-      for (int t = 0; t < P; t++) {
-        const ivec w = _mm256_loadu_si256((const ivec*)(op.block(b, t) + q * 32));
-        if constexpr (BITS == 4) {
-          ivec low, high;
-          nibbles(w, low, high);
-#pragma GCC unroll 8
-          for (int i = 0; i < MR; i++) {
-#ifdef KV_VNNI
-            dots[i][t] = dot_u8s8(dot_u8s8(dots[i][t], low, x[i]), high, xh[i]);
-#else
-            sums16[i][t] = add16(add16(sums16[i][t], _mm256_maddubs_epi16(low, x[i])), _mm256_maddubs_epi16(high, xh[i]));
-#endif
-          }
-        } else {
-          const ivec codes8 = VNNI ? w : _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
-#pragma GCC unroll 8
-          for (int i = 0; i < MR; i++) dots[i][t] = dot_quad8(dots[i][t], codes8, x[i]);
-        }
-      }
-    }
-    if constexpr (BITS == 4 && !VNNI)
+    // add16's hold 4 and 8 rows ran 1.25 x slower than with it. The block's products of the rows' codes
+    // (SECOND: of their second codes, int8-peak's, where a row has them), into acc
+    const auto block = [&](auto second) __attribute__((always_inline)) {
+      constexpr bool SECOND = decltype(second)::value;
+      ivec dots[MR][P], sums16[MR][P];
 #pragma GCC unroll 8
       for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
-        for (int t = 0; t < P; t++) dots[i][t] = _mm256_madd_epi16(sums16[i][t], _mm256_set1_epi16(1));
-#pragma GCC unroll 4
-    for (int t = 0; t < P; t++) {
-      const vec s = ONE_GROUP ? zero() : load8(op.scale8(t, b / op.per_group));
+        for (int t = 0; t < P; t++) dots[i][t] = sums16[i][t] = _mm256_setzero_si256();
+      // quad q: codes 4q..4q+3 of the block (4 bits: and 16 + 4q .., the high nibbles)
 #pragma GCC unroll 8
-      for (int i = 0; i < MR; i += TERMS)
-        acc[i / TERMS][t] = add_block<ONE_GROUP, TERMS>(acc[i / TERMS][t], dots[i][t], op.step(i, b),
-                                                        dots[i + TERMS - 1][t], op.step(i + TERMS - 1, b), s);
-    }
+      for (int q = 0; q < BITS; q++) {  // a block is BITS vectors of a panel
+        ivec x[MR], xh[MR];
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++) {
+          x[i] = _mm256_set1_epi32(op.template four<SECOND>(i, b * QUADS + q));
+          if constexpr (BITS == 4) xh[i] = _mm256_set1_epi32(op.template four<SECOND>(i, b * QUADS + QUADS / 2 + q));
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < P; t++) {
+          const ivec w = _mm256_loadu_si256((const ivec*)(op.block(b, t) + q * 32));
+          if constexpr (BITS == 4) {
+            ivec low, high;
+            nibbles(w, low, high);
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) {
+#ifdef KV_VNNI
+              dots[i][t] = dot_u8s8(dot_u8s8(dots[i][t], low, x[i]), high, xh[i]);
+#else
+              sums16[i][t] = add16(add16(sums16[i][t], _mm256_maddubs_epi16(low, x[i])), _mm256_maddubs_epi16(high, xh[i]));
+#endif
+            }
+          } else {
+            const ivec codes8 = VNNI ? w : _mm256_xor_si256(w, _mm256_set1_epi8((char)0x80));
+#pragma GCC unroll 8
+            for (int i = 0; i < MR; i++) dots[i][t] = dot_quad8(dots[i][t], codes8, x[i]);
+          }
+        }
+      }
+      if constexpr (BITS == 4 && !VNNI)
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+          for (int t = 0; t < P; t++) dots[i][t] = _mm256_madd_epi16(sums16[i][t], _mm256_set1_epi16(1));
+#pragma GCC unroll 4
+      for (int t = 0; t < P; t++) {
+        const vec s = ONE_GROUP ? zero() : load8(op.scale8(t, b / op.per_group));
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; i += TERMS)
+          acc[i / TERMS][t] = add_block<ONE_GROUP, TERMS>(acc[i / TERMS][t], dots[i][t], op.template step<SECOND>(i, b),
+                                                          dots[i + TERMS - 1][t], op.template step<SECOND>(i + TERMS - 1, b), s);
+      }
+    };
+    block(std::false_type{});
+    if constexpr (PEAK)
+      if (op.peak(b)) block(std::true_type{});
   }
 #pragma GCC unroll 4
   for (int t = 0; t < P; t++) {
@@ -631,41 +683,47 @@ inline void nibbles(wivec bytes, wivec& low, wivec& high) {
 }
 
 // panel_rows' arithmetic over panels p0 and p0 + 1 at once, the same in every lane
-template <int BITS, int MR, bool ONE_GROUP, int TERMS, typename S>
+template <int BITS, int MR, bool ONE_GROUP, int TERMS, typename S, bool PEAK = false>
 inline void panel_pair_rows(const Rows& rows, int64_t m0, const uint8_t* data, const S* scale, const S* offset,
                             int64_t p0, int64_t K, int64_t groups, float* out, int64_t N) {
   constexpr int XR = MR / TERMS;  // rows of x
-  const Operands<BITS, MR, TERMS, S> op(rows, m0, data, scale, offset, p0, K, groups);
+  const Operands<BITS, MR, TERMS, S, false, PEAK> op(rows, m0, data, scale, offset, p0, K, groups);
   wvec acc[XR];
 #pragma GCC unroll 8
   for (int i = 0; i < XR; i++) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < op.blocks; b++) {
     op.template fetch_ahead<2>(b);
-    wivec dots[MR];
+    const auto block = [&](auto second) __attribute__((always_inline)) {  // as panel_rows' block
+      constexpr bool SECOND = decltype(second)::value;
+      wivec dots[MR];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) dots[i] = _mm512_setzero_si512();
+      for (int i = 0; i < MR; i++) dots[i] = _mm512_setzero_si512();
 #pragma GCC unroll 8
-    for (int q = 0; q < BITS; q++) {
-      const wivec w = pair_codes(op.block(b, 0) + q * 32, op.block(b, 1) + q * 32);
-      if constexpr (BITS == 4) {
-        wivec low, high;
-        nibbles(w, low, high);
+      for (int q = 0; q < BITS; q++) {
+        const wivec w = pair_codes(op.block(b, 0) + q * 32, op.block(b, 1) + q * 32);
+        if constexpr (BITS == 4) {
+          wivec low, high;
+          nibbles(w, low, high);
 #pragma GCC unroll 8
-        for (int i = 0; i < MR; i++) {
-          const int32_t *x = op.quad(i, b * QUADS + q), *x_high = op.quad(i, b * QUADS + QUADS / 2 + q);
-          dots[i] = dot_broadcast(dot_broadcast(dots[i], low, x), high, x_high);
+          for (int i = 0; i < MR; i++) {
+            const int32_t *x = op.template quad<SECOND>(i, b * QUADS + q), *x_high = op.template quad<SECOND>(i, b * QUADS + QUADS / 2 + q);
+            dots[i] = dot_broadcast(dot_broadcast(dots[i], low, x), high, x_high);
+          }
+        } else {
+#pragma GCC unroll 8
+          for (int i = 0; i < MR; i++) dots[i] = dot_broadcast(dots[i], w, op.template quad<SECOND>(i, b * QUADS + q));
         }
-      } else {
-#pragma GCC unroll 8
-        for (int i = 0; i < MR; i++) dots[i] = dot_broadcast(dots[i], w, op.quad(i, b * QUADS + q));
       }
-    }
-    const int64_t g = b / op.per_group;
-    const wvec s = ONE_GROUP ? _mm512_setzero_ps() : pair8(op.scale8(0, g), op.scale8(1, g));
+      const int64_t g = b / op.per_group;
+      const wvec s = ONE_GROUP ? _mm512_setzero_ps() : pair8(op.scale8(0, g), op.scale8(1, g));
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i += TERMS)
-      acc[i / TERMS] = add_block<ONE_GROUP, TERMS>(acc[i / TERMS], dots[i], op.step(i, b), dots[i + TERMS - 1],
-                                                   op.step(i + TERMS - 1, b), s);
+      for (int i = 0; i < MR; i += TERMS)
+        acc[i / TERMS] = add_block<ONE_GROUP, TERMS>(acc[i / TERMS], dots[i], op.template step<SECOND>(i, b), dots[i + TERMS - 1],
+                                                     op.template step<SECOND>(i + TERMS - 1, b), s);
+    };
+    block(std::false_type{});
+    if constexpr (PEAK)
+      if (op.peak(b)) block(std::true_type{});
   }
   for (int t = 0; t < 2; t++) {
     vec result[XR];
@@ -744,18 +802,18 @@ using OneRowWide = std::conditional_t<BITS == 8, WideRow, Wide<1>>;
 #else
 template <int BITS>
 using OneRowWide = Wide<1>;
-template <int BITS, int MR, bool ONE_GROUP, int TERMS, typename S>
+template <int BITS, int MR, bool ONE_GROUP, int TERMS, typename S, bool PEAK = false>
 inline void panel_pair_rows(const Rows&, int64_t, const uint8_t*, const S*, const S*, int64_t, int64_t, int64_t, float*,
                             int64_t) {}
 #endif
 
 // rows m0..m0+MR (MR = rows, up to MR_MAX; TERMS 2: both even) by panels p0..p1, P at a time; WIDE: int16 codes
-template <int BITS, int MR, int TERMS, bool WIDE, typename S>
+template <int BITS, int MR, int TERMS, bool WIDE, typename S, bool PEAK>
 void rows_by_panels(int rows, const Rows& r, int64_t m0, const uint8_t* data, const S* scale, const S* offset,
                     int64_t p0, int64_t p1, int64_t K, int64_t groups, float* out, int64_t N) {
   if constexpr (MR > TERMS) {
     if (rows < MR)
-      return rows_by_panels<BITS, MR - TERMS, TERMS, WIDE>(rows, r, m0, data, scale, offset, p0, p1, K, groups, out, N);
+      return rows_by_panels<BITS, MR - TERMS, TERMS, WIDE, S, PEAK>(rows, r, m0, data, scale, offset, p0, p1, K, groups, out, N);
   }
   const bool one_group = BITS == 8 && groups == 1;  // 8w's scale per row
   if constexpr (WIDE) {
@@ -778,27 +836,27 @@ void rows_by_panels(int rows, const Rows& r, int64_t m0, const uint8_t* data, co
   int64_t p = p0;
   if constexpr (PAIRS && MR > 1) {
     for (; p + 2 <= p1; p += 2)
-      one_group ? panel_pair_rows<BITS, MR, true, TERMS>(r, m0, data, scale, offset, p, K, groups, out, N)
-                : panel_pair_rows<BITS, MR, false, TERMS>(r, m0, data, scale, offset, p, K, groups, out, N);
+      one_group ? panel_pair_rows<BITS, MR, true, TERMS, S, PEAK>(r, m0, data, scale, offset, p, K, groups, out, N)
+                : panel_pair_rows<BITS, MR, false, TERMS, S, PEAK>(r, m0, data, scale, offset, p, K, groups, out, N);
   }
   for (; p + P <= p1; p += P)
-    one_group ? panel_rows<BITS, MR, P, true, TERMS>(r, m0, data, scale, offset, p, K, groups, out, N)
-              : panel_rows<BITS, MR, P, false, TERMS>(r, m0, data, scale, offset, p, K, groups, out, N);
+    one_group ? panel_rows<BITS, MR, P, true, TERMS, S, PEAK>(r, m0, data, scale, offset, p, K, groups, out, N)
+              : panel_rows<BITS, MR, P, false, TERMS, S, PEAK>(r, m0, data, scale, offset, p, K, groups, out, N);
   for (; p < p1; p++)
-    one_group ? panel_rows<BITS, MR, 1, true, TERMS>(r, m0, data, scale, offset, p, K, groups, out, N)
-              : panel_rows<BITS, MR, 1, false, TERMS>(r, m0, data, scale, offset, p, K, groups, out, N);
+    one_group ? panel_rows<BITS, MR, 1, true, TERMS, S, PEAK>(r, m0, data, scale, offset, p, K, groups, out, N)
+              : panel_rows<BITS, MR, 1, false, TERMS, S, PEAK>(r, m0, data, scale, offset, p, K, groups, out, N);
 }
 
 // ---- the entry
 
-template <int BITS, int TERMS, bool WIDE, typename S>
+template <int BITS, int TERMS, bool WIDE, bool PEAK, typename S>
 void product(const float* x, int64_t ldx, const uint8_t* data, const S* scale, const S* offset, float* out,
              int64_t M, int64_t N, int64_t K, int64_t groups) {
   static_assert(MR_MAX % 2 == 0, "a pass takes a row's two terms together");
   const int64_t R = M * TERMS;  // rows of codes
   // passes of even size (two terms: whole rows of x, both terms in one pass)
   const int64_t passes = (R + MR_MAX - 1) / MR_MAX, per_pass = (M + passes - 1) / passes * TERMS;
-  const Rows rows = quantize(x, ldx, M, K, groups, TERMS, per_pass, WIDE);
+  const Rows rows = quantize(x, ldx, M, K, groups, TERMS, per_pass, WIDE, PEAK);
   const int64_t panels = N / PANEL, panel_bytes = K * BITS;
   const int64_t chunk = R <= MR_MAX ? panels : (CHUNK_BYTES / panel_bytes > 0 ? CHUNK_BYTES / panel_bytes : 1);
 #pragma omp parallel
@@ -808,24 +866,24 @@ void product(const float* x, int64_t ldx, const uint8_t* data, const S* scale, c
     for (int64_t c0 = first; c0 < last; c0 += chunk) {
       const int64_t c1 = c0 + chunk < last ? c0 + chunk : last;
       for (int64_t m = 0; m < R; m += per_pass)
-        rows_by_panels<BITS, MR_MAX, TERMS, WIDE>((int)(R - m < per_pass ? R - m : per_pass), rows, m, data, scale,
+        rows_by_panels<BITS, MR_MAX, TERMS, WIDE, S, PEAK>((int)(R - m < per_pass ? R - m : per_pass), rows, m, data, scale,
                                                   offset, c0, c1, K, groups, out, N);
     }
   }
 }
 
-// the product for the codes' width and the tables' type
-template <int TERMS, bool WIDE>
+// the product for the codes' width and the tables' type; PEAK: int8-peak's second codes (one term)
+template <int TERMS, bool WIDE, bool PEAK = false>
 void by_format(const float* x, int64_t ldx, const uint8_t* data, const void* scale, const void* offset, float* out,
                int64_t M, int64_t N, int64_t K, int64_t groups, int64_t bits, bool half) {
   if (bits == 4 && half)
-    product<4, TERMS, WIDE>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
+    product<4, TERMS, WIDE, PEAK>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
   else if (bits == 4)
-    product<4, TERMS, WIDE>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
+    product<4, TERMS, WIDE, PEAK>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
   else if (half)
-    product<8, TERMS, WIDE>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
+    product<8, TERMS, WIDE, PEAK>(x, ldx, data, (const uint16_t*)scale, (const uint16_t*)offset, out, M, N, K, groups);
   else
-    product<8, TERMS, WIDE>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
+    product<8, TERMS, WIDE, PEAK>(x, ldx, data, (const float*)scale, (const float*)offset, out, M, N, K, groups);
 }
 
 }  // namespace
@@ -835,7 +893,7 @@ void by_format(const float* x, int64_t ldx, const uint8_t* data, const void* sca
 // groups * 8] contiguous, fp32 (scale_bits 32) or fp16 (16), K / groups a
 // multiple of 32; out: [M, N] contiguous; N a multiple of 8; qact: how x is
 // rounded, contract/schemes.py's QACT index: 1 int8_rows, 2 int8x2_rows, 3
-// int16_rows
+// int16_rows, 4 int8_peak_rows
 #ifdef KV_VNNI
 void kvexport_int8_linear_vnni(
 #else
@@ -843,8 +901,10 @@ void kvexport_int8_linear_maddubs(
 #endif
     const float* x, int64_t ldx, const uint8_t* data, const void* scale, const void* offset, float* out, int64_t M,
     int64_t N, int64_t K, int64_t groups, int64_t bits, int64_t scale_bits, int64_t qact) {
-  (qact == INT8X2 ? by_format<2, false> : qact == INT16 ? by_format<1, true> : by_format<1, false>)(
-      x, ldx, data, scale, offset, out, M, N, K, groups, bits, scale_bits == 16);
+  (qact == INT8X2      ? by_format<2, false>
+   : qact == INT16     ? by_format<1, true>
+   : qact == INT8_PEAK ? by_format<1, false, true>
+                       : by_format<1, false>)(x, ldx, data, scale, offset, out, M, N, K, groups, bits, scale_bits == 16);
 }
 
 #ifndef KV_VNNI

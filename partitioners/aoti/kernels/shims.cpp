@@ -455,7 +455,7 @@ namespace {
 const char* int8_problem(const Operand& x, const Operand& data, const Operand& scale, const Operand& offset,
                          int64_t bits, int64_t qact) {
   if (bits != 4 && bits != 8) return "bits must be 4 or 8";
-  if (qact < 1 || qact > 3) return "qact must be 1 (int8), 2 (int8x2) or 3 (int16)";
+  if (qact < 1 || qact > 4) return "qact must be 1 (int8), 2 (int8x2), 3 (int16) or 4 (int8-peak)";
   if (x.dims != 2 || data.dims != 2 || scale.dims != 2 || offset.dims != 2)
     return "x, data, scale and offset must be 2-d";
   if (x.dtype != aoti_torch_dtype_float32() || data.dtype != aoti_torch_dtype_uint8())

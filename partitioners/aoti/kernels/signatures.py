@@ -89,7 +89,7 @@ PACKED_LINEAR = Kernel(
 INT8_LINEAR = Kernel(
     "int8_linear",
     # x [M, K] (row stride ldx), its rows rounded per block of 32 as contract/schemes.py's QACT[qact]
-    # says (1 int8, 2 int8x2, 3 int16), @ the weight of codes in blocks [N, K].T -> out
+    # says (1 int8, 2 int8x2, 3 int16, 4 int8-peak), @ the weight of codes in blocks [N, K].T -> out
     # [M, N]: data uint8 [N / 8, K * bits] (passes/packed_weights.py), scale and offset
     # [N / 8, groups * 8], fp32 (scale_bits 32) or fp16 (16); all contiguous
     math=("const float* x", "int64_t ldx", "const uint8_t* data", "const void* scale", "const void* offset",

@@ -8,9 +8,10 @@ int8_rows), the weight's codes in blocks dequantized, and a linear. This
 pass, run only where a method is compiled, recognizes exactly that
 arithmetic and replaces it with one kernel call, which rounds the rows the
 same way and multiplies the codes as integers. Rows rounded with two terms
-(--qact int8x2: int8_rows(x) + int8_rows(x - int8_rows(x))) or to int16
-codes (--qact int16: int16_rows, a step of largest magnitude / 32767) take
-the same kernel, its `qact` argument saying which (contract/schemes.py's
+(--qact int8x2: int8_rows(x) + int8_rows(x - int8_rows(x))), to int16
+codes (--qact int16: int16_rows, a step of largest magnitude / 32767) or
+with a second term on each row's peak blocks (--qact int8-peak,
+int8_peak_rows) take the same kernel, its `qact` argument saying which (contract/schemes.py's
 QACT index). Anything that does not match
 the decomposition exactly is left as it is. The eager implementation of the
 op is the decomposition itself.
@@ -68,16 +69,24 @@ def int8_rows_of(node: object, inverse_limit: float = INV_127) -> torch.fx.Node 
     blocks, divisor = rounded.args[0].args
     if divisor is not step or not (_call(step, aten.mul.Tensor, 2) and step.args[1] == inverse_limit):
         return None
-    clamp = step.args[0]
-    if not (_call(clamp, aten.clamp.default, 2) and clamp.args[1] == SMALLEST_TOP):
+    found = block_tops_of(step.args[0])
+    return found[1] if found is not None and found[0] is blocks else None
+
+
+def block_tops_of(node: object) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(blocks, x) when `node` is exactly the largest magnitude of each
+    block of 32 of a 2-d fp32 x, at least SMALLEST_TOP: clamp(maximum(
+    amax(blocks), neg(amin(blocks)))) over the last dim of blocks = x viewed
+    [M, K / 32, 32]; else None."""
+    if not (_call(node, aten.clamp.default, 2) and node.args[1] == SMALLEST_TOP):
         return None
-    top = clamp.args[0]
+    top = node.args[0]
     if not (_call(top, aten.maximum.default, 2) and _call(top.args[1], aten.neg.default, 1)):
         return None
     largest, smallest = top.args[0], top.args[1].args[0]
+    blocks = largest.args[0] if isinstance(largest, torch.fx.Node) else None
     if not (_call(largest, aten.amax.default, 3) and _call(smallest, aten.amin.default, 3)
-            and largest.args[0] is blocks and smallest.args[0] is blocks
-            and tuple(largest.args[1:]) == tuple(smallest.args[1:]) == ([-1], True)):
+            and smallest.args[0] is blocks and tuple(largest.args[1:]) == tuple(smallest.args[1:]) == ([-1], True)):
         return None
     if not (isinstance(blocks, torch.fx.Node) and blocks.target in (aten.view.default, aten.reshape.default)):
         return None
@@ -86,13 +95,15 @@ def int8_rows_of(node: object, inverse_limit: float = INV_127) -> torch.fx.Node 
     if not (isinstance(xv, torch.Tensor) and xv.dtype == torch.float32 and shape[-1] == BLOCK
             and tuple(xv.shape[:-1]) == tuple(shape[:-2]) and xv.shape[-1] == shape[-2] * BLOCK):
         return None
-    return x
+    return blocks, x
 
 
 def rounded_rows_of(node: object) -> tuple[torch.fx.Node, int] | None:
     """(x, qact) when `node` is exactly int8_rows(x) (qact 1), int8x2_rows(x),
     int8_rows(x) + int8_rows(x - int8_rows(x)) with the first rounding
-    computed once (2), or int16_rows(x) (3); else None."""
+    computed once (2), int16_rows(x) (3), or int8_peak_rows(x) (4: the
+    second term masked off the blocks below the row's largest top); else
+    None."""
     x = int8_rows_of(node)
     if x is not None:
         return x, QACT.index("int8")
@@ -102,10 +113,22 @@ def rounded_rows_of(node: object) -> tuple[torch.fx.Node, int] | None:
     if not _call(node, aten.add.Tensor, 2):
         return None
     first, second = node.args
-    x, error = int8_rows_of(first), int8_rows_of(second)
+    x, masked = int8_rows_of(first), _source(second)
+    peak = _call(masked, aten.masked_fill.Scalar, 3) and masked.args[2] == 0.0
+    error = int8_rows_of(masked.args[0] if peak else second)
     if x is None or not (_call(error, aten.sub.Tensor, 2) and error.args[0] is x and error.args[1] is first):
         return None
-    return x, QACT.index("int8x2")
+    if not peak:
+        return x, QACT.index("int8x2")
+    below = masked.args[1]
+    if not (_call(below, aten.lt.Tensor, 2) and _call(below.args[1], aten.amax.default, 3)
+            and below.args[1].args[0] is below.args[0] and tuple(below.args[1].args[1:]) == ([-2], True)):
+        return None
+    tops = block_tops_of(below.args[0])
+    second_blocks = _val(masked.args[0])
+    if tops is None or tops[1] is not x or tuple(second_blocks.shape) != tuple(_val(tops[0]).shape):
+        return None
+    return x, QACT.index("int8-peak")
 
 
 def _panel_order(node: object, dims: list[int], rank: int) -> torch.fx.Node | None:
