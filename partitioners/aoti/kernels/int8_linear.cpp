@@ -185,9 +185,14 @@ Rows quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int64_t groups,
               bool wide = false, bool peaks = false) {
   const int64_t blocks = K / BLOCK, per_group = blocks / groups, R = M * terms;
   const int64_t passes = (R + per_pass - 1) / per_pass;
-  Rows r{std::vector<int8_t>(R * K * (wide ? 2 : 1)), std::vector<int8_t>(peaks ? R * K : 0),
-         std::vector<float>(R * blocks), std::vector<float>(peaks ? R * blocks : 0), std::vector<float>(M * groups, 0.0f),
-         std::vector<uint8_t>(peaks ? passes * blocks : 0), per_pass, per_pass >= R};
+  Rows r{std::vector<int8_t>(R * K * (wide ? 2 : 1)),
+         std::vector<int8_t>(peaks ? R * K : 0),
+         std::vector<float>(R * blocks),
+         std::vector<float>(peaks ? R * blocks : 0),
+         std::vector<float>(M * groups, 0.0f),
+         std::vector<uint8_t>(peaks ? passes * blocks : 0),
+         per_pass,
+         per_pass >= R};
   // code row `row`'s block b from the 32 floats at p (and their rounding error into `error`, if given); with
   // `second`, into codes2 and steps2
   const auto put = [&](int64_t row, int64_t b, const float* p, float* error, bool second = false) {
@@ -490,7 +495,8 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
 #ifdef KV_VNNI
               dots[i][t] = dot_u8s8(dot_u8s8(dots[i][t], low, x[i]), high, xh[i]);
 #else
-              sums16[i][t] = add16(add16(sums16[i][t], _mm256_maddubs_epi16(low, x[i])), _mm256_maddubs_epi16(high, xh[i]));
+              sums16[i][t] =
+                  add16(add16(sums16[i][t], _mm256_maddubs_epi16(low, x[i])), _mm256_maddubs_epi16(high, xh[i]));
 #endif
             }
           } else {
@@ -510,8 +516,9 @@ inline void panel_rows(const Rows& rows, int64_t m0, const uint8_t* data, const 
         const vec s = ONE_GROUP ? zero() : load8(op.scale8(t, b / op.per_group));
 #pragma GCC unroll 8
         for (int i = 0; i < MR; i += TERMS)
-          acc[i / TERMS][t] = add_block<ONE_GROUP, TERMS>(acc[i / TERMS][t], dots[i][t], op.template step<SECOND>(i, b),
-                                                          dots[i + TERMS - 1][t], op.template step<SECOND>(i + TERMS - 1, b), s);
+          acc[i / TERMS][t] =
+              add_block<ONE_GROUP, TERMS>(acc[i / TERMS][t], dots[i][t], op.template step<SECOND>(i, b),
+                                          dots[i + TERMS - 1][t], op.template step<SECOND>(i + TERMS - 1, b), s);
       }
     };
     block(std::false_type{});
@@ -706,7 +713,8 @@ inline void panel_pair_rows(const Rows& rows, int64_t m0, const uint8_t* data, c
           nibbles(w, low, high);
 #pragma GCC unroll 8
           for (int i = 0; i < MR; i++) {
-            const int32_t *x = op.template quad<SECOND>(i, b * QUADS + q), *x_high = op.template quad<SECOND>(i, b * QUADS + QUADS / 2 + q);
+            const int32_t *x = op.template quad<SECOND>(i, b * QUADS + q),
+                          *x_high = op.template quad<SECOND>(i, b * QUADS + QUADS / 2 + q);
             dots[i] = dot_broadcast(dot_broadcast(dots[i], low, x), high, x_high);
           }
         } else {
@@ -718,8 +726,8 @@ inline void panel_pair_rows(const Rows& rows, int64_t m0, const uint8_t* data, c
       const wvec s = ONE_GROUP ? _mm512_setzero_ps() : pair8(op.scale8(0, g), op.scale8(1, g));
 #pragma GCC unroll 8
       for (int i = 0; i < MR; i += TERMS)
-        acc[i / TERMS] = add_block<ONE_GROUP, TERMS>(acc[i / TERMS], dots[i], op.template step<SECOND>(i, b), dots[i + TERMS - 1],
-                                                     op.template step<SECOND>(i + TERMS - 1, b), s);
+        acc[i / TERMS] = add_block<ONE_GROUP, TERMS>(acc[i / TERMS], dots[i], op.template step<SECOND>(i, b),
+                                                     dots[i + TERMS - 1], op.template step<SECOND>(i + TERMS - 1, b), s);
     };
     block(std::false_type{});
     if constexpr (PEAK)
@@ -813,7 +821,8 @@ void rows_by_panels(int rows, const Rows& r, int64_t m0, const uint8_t* data, co
                     int64_t p0, int64_t p1, int64_t K, int64_t groups, float* out, int64_t N) {
   if constexpr (MR > TERMS) {
     if (rows < MR)
-      return rows_by_panels<BITS, MR - TERMS, TERMS, WIDE, S, PEAK>(rows, r, m0, data, scale, offset, p0, p1, K, groups, out, N);
+      return rows_by_panels<BITS, MR - TERMS, TERMS, WIDE, S, PEAK>(rows, r, m0, data, scale, offset, p0, p1, K, groups,
+                                                                    out, N);
   }
   const bool one_group = BITS == 8 && groups == 1;  // 8w's scale per row
   if constexpr (WIDE) {
@@ -866,8 +875,8 @@ void product(const float* x, int64_t ldx, const uint8_t* data, const S* scale, c
     for (int64_t c0 = first; c0 < last; c0 += chunk) {
       const int64_t c1 = c0 + chunk < last ? c0 + chunk : last;
       for (int64_t m = 0; m < R; m += per_pass)
-        rows_by_panels<BITS, MR_MAX, TERMS, WIDE, S, PEAK>((int)(R - m < per_pass ? R - m : per_pass), rows, m, data, scale,
-                                                  offset, c0, c1, K, groups, out, N);
+        rows_by_panels<BITS, MR_MAX, TERMS, WIDE, S, PEAK>((int)(R - m < per_pass ? R - m : per_pass), rows, m, data,
+                                                           scale, offset, c0, c1, K, groups, out, N);
     }
   }
 }

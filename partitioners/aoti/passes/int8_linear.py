@@ -11,9 +11,9 @@ same way and multiplies the codes as integers. Rows rounded with two terms
 (--qact int8x2: int8_rows(x) + int8_rows(x - int8_rows(x))), to int16
 codes (--qact int16: int16_rows, a step of largest magnitude / 32767) or
 with a second term on each row's peak blocks (--qact int8-peak,
-int8_peak_rows) take the same kernel, its `qact` argument saying which (contract/schemes.py's
-QACT index). Anything that does not match
-the decomposition exactly is left as it is. The eager implementation of the
+int8_peak_rows) take the same kernel, its `qact` argument saying which
+(contract/schemes.py's QACT index). Anything that does not match the
+decomposition exactly is left as it is. The eager implementation of the
 op is the decomposition itself.
 """
 
