@@ -274,7 +274,8 @@ def _int8_peak_rows(x: torch.Tensor) -> torch.Tensor:
     first = torch.ops.kvexport.int8_rows(x)
     *lead, k = x.shape
     blocks = x.reshape(*lead, k // BLOCK, BLOCK)
-    top = torch.clamp(torch.maximum(torch.amax(blocks, -1, True), torch.neg(torch.amin(blocks, -1, True))), SMALLEST_TOP)
+    top = torch.maximum(torch.amax(blocks, -1, True), torch.neg(torch.amin(blocks, -1, True)))
+    top = torch.clamp(top, SMALLEST_TOP)
     below = torch.lt(top, torch.amax(top, -2, True))  # [*lead, blocks, 1]: not a peak
     second = torch.ops.kvexport.int8_rows(torch.sub(x, first)).reshape(*lead, k // BLOCK, BLOCK)
     return torch.add(first, torch.masked_fill(second, below, 0.0).reshape(x.shape))

@@ -179,7 +179,8 @@ def test_by_width_each_linear_takes_the_rounding_of_its_codes_width():
     model = Model().eval()
     rows = {r["module"]: r for r in quantize_model(model, "4w", 0, "8w", keep_8w=("odd",), qact=BY_WIDTH)}
     assert (rows["up"]["bits"], rows["odd"]["bits"], rows["head"]["bits"]) == (4, 8, 8)
-    assert rows["up"]["activations"] == "int8-peak" and rows["odd"]["activations"] == rows["head"]["activations"] == "int16"
+    assert rows["up"]["activations"] == "int8-peak"
+    assert rows["odd"]["activations"] == rows["head"]["activations"] == "int16"
     assert (model.up.qact, model.odd.qact, model.head.qact) == ("int8-peak", "int16", "int16")
     assert "int16/int8-peak activations on 3 of 3 quantized linears" in coverage_summary(list(rows.values()))
 
@@ -423,8 +424,8 @@ def test_a_package_with_other_activations_runs_them_on_the_kernel_and_verifies(t
     assert f"{qact} activations on {taking} of {taking + 1} quantized linears" in CliRunner().invoke(
         main, ["inspect", str(path)]).stdout
     progress = "\n".join(PROGRESS[str(path)])
-    assert re.search(r"forward_\d+ (from the compile cache \(it )?compiled in [0-9.]+ s\)?, calling kvexport's int8_linear x\d+",
-                     progress), progress
+    calls = r"forward_\d+ (from the compile cache \(it )?compiled in [0-9.]+ s\)?, calling kvexport's int8_linear x\d+"
+    assert re.search(calls, progress), progress
     eager = load_model("tiny-llama").model
     quantize_model(eager, qlinear, 0, "8w", qact=qact)
     runtime = load(path)
