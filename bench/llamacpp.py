@@ -185,7 +185,10 @@ EXPORTS = {"fp32": [], "bf16": ["--dtype", "bf16"], "8w": ["--qlinear", "8w", "-
            "4w": ["--qlinear", "4w", "--qembedding", "8w"], "gguf": ["--qlinear", "gguf"],
            "8w-int8x2": ["--qlinear", "8w", "--qembedding", "8w", "--qact", "int8x2"],
            "4w-int8x2": ["--qlinear", "4w", "--qembedding", "8w", "--qact", "int8x2"],
-           "gguf-int8x2": ["--qlinear", "gguf", "--qact", "int8x2"]}
+           "gguf-int8x2": ["--qlinear", "gguf", "--qact", "int8x2"],
+           # the plain int8 rounding that 8w's int16 and 4w's int8-peak defaults replaced
+           "8w-int8": ["--qlinear", "8w", "--qembedding", "8w", "--qact", "int8"],
+           "4w-int8": ["--qlinear", "4w", "--qembedding", "8w", "--qact", "int8"]}
 
 
 def exported(root: Path, source: Path, label: str, isa: str = "native") -> Path:
